@@ -1,0 +1,79 @@
+"""Collectives of the expert-parallel data path, with exact byte accounting.
+
+Every exchange of a layer call goes through :func:`all_to_all` (uneven ``all_to_all_single``),
+including the small ones (per-expert counts, scores), so one counter sees every byte a rank
+puts on the wire. A ``group`` of ``None`` or of size 1 is world size 1: the same code, no
+collective. List-form ``dist.all_to_all`` is avoided on purpose: gloo rejects uneven shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+
+def world_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank_of(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class WireCounter:
+    """Bytes this rank sent to / received from other ranks (its own chunk excluded)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+def all_to_all(
+    send_XD: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Group,
+    counter: WireCounter | None = None,
+) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: rows ``send_splits[r]`` go to rank r; returns received rows.
+
+    Rows from rank s arrive in rank order, ``recv_splits[s]`` of them. Both split lists must be
+    the ones every peer agrees on (they are derived from already-exchanged counts, never
+    guessed), so no size exchange is needed here.
+    """
+    me = rank_of(group)
+    if counter is not None:
+        row_bytes = math.prod(send_XD.shape[1:]) * send_XD.element_size()
+        counter.sent += (sum(send_splits) - send_splits[me]) * row_bytes
+        counter.received += (sum(recv_splits) - recv_splits[me]) * row_bytes
+    if world_size(group) == 1:
+        return send_XD
+    send_XD = send_XD.contiguous()
+    recv_XD = send_XD.new_empty((sum(recv_splits), *send_XD.shape[1:]))
+    dist.all_to_all_single(recv_XD, send_XD, recv_splits, send_splits, group=group)
+    return recv_XD
+
+
+def all_gather(
+    x_ND: torch.Tensor, sizes: list[int], group: Group, counter: WireCounter | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's ``x_ND`` (rank r contributes ``sizes[r]`` rows) on every rank."""
+    W = world_size(group)
+    if W == 1:
+        return x_ND
+    send = x_ND.unsqueeze(0).expand(W, *x_ND.shape).reshape(W * x_ND.shape[0], *x_ND.shape[1:])
+    return all_to_all(send, [x_ND.shape[0]] * W, sizes, group, counter)
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over ranks (used outside layer calls: full-shape views, bias updates)."""
+    if world_size(group) == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x

@@ -1,0 +1,109 @@
+"""Typed configuration for an MoE layer and its backward.
+
+Every field is validated at construction; an invalid value raises a ``ValueError`` that names
+the field, the value given and what is allowed, so a bad config fails where it is written and
+not deep inside a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROUTERS = ("softmax", "sigmoid")
+SELECTIONS = ("lrm", "random", "local", "sampled")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _bad(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"{field}={value!r} is invalid: {allowed}")
+
+
+def _positive_int(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(field, value, "expected an integer >= 1")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a config dtype (a name such as ``"bfloat16"`` or a ``torch.dtype``) to a ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise _bad("dtype", dtype, f"expected one of {sorted(_DTYPES)}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise _bad("dtype", dtype, f"expected one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing semantics of one MoE layer.
+
+    ``router="softmax"`` is Qwen3-MoE: softmax over all experts, top-k, optional renormalisation.
+    ``router="sigmoid"`` is GLM-4.5 / DeepSeek-V3: sigmoid scores plus a per-expert correction
+    bias used only for choosing, optional group-limited choice (``n_group`` groups, the best
+    ``topk_group`` of them by the sum of their top-2 scores), weights = unbiased sigmoid scores of
+    the chosen, renormalised if ``norm_topk_prob``, times ``routed_scaling_factor``.
+    """
+
+    dim: int
+    ffn_dim: int
+    num_experts: int
+    top_k: int
+    router: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    num_shared_experts: int = 0
+    shared_ffn_dim: int | None = None
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    dtype: str | torch.dtype = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "ffn_dim", "num_experts", "top_k", "n_group", "topk_group"):
+            _positive_int(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise _bad("top_k", self.top_k, f"expected 1 <= top_k <= num_experts={self.num_experts}")
+        if self.router not in ROUTERS:
+            raise _bad("router", self.router, f"expected one of {ROUTERS}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise _bad("norm_topk_prob", self.norm_topk_prob, "expected a bool")
+        if not (self.routed_scaling_factor > 0):
+            raise _bad("routed_scaling_factor", self.routed_scaling_factor, "expected a number > 0")
+        if self.num_experts % self.n_group:
+            raise _bad("n_group", self.n_group, f"expected a divisor of num_experts={self.num_experts}")
+        if self.topk_group > self.n_group:
+            raise _bad("topk_group", self.topk_group, f"expected <= n_group={self.n_group}")
+        if self.n_group > 1:
+            if self.router != "sigmoid":
+                raise _bad("n_group", self.n_group, "group-limited choice needs router='sigmoid'")
+            per_group = self.num_experts // self.n_group
+            if per_group < 2:
+                raise _bad("n_group", self.n_group, "each group needs >= 2 experts (top-2 group score)")
+            if self.top_k > self.topk_group * per_group:
+                raise _bad(
+                    "top_k", self.top_k, f"expected <= topk_group * experts per group = "
+                    f"{self.topk_group * per_group}"
+                )
+        if isinstance(self.num_shared_experts, bool) or not isinstance(self.num_shared_experts, int) \
+                or self.num_shared_experts < 0:
+            raise _bad("num_shared_experts", self.num_shared_experts, "expected an integer >= 0")
+        if self.shared_ffn_dim is not None:
+            _positive_int("shared_ffn_dim", self.shared_ffn_dim)
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise _bad(name, value, "expected a number >= 0")
+        resolve_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hidden size of the shared expert MLP (all shared experts fused into one, as in HF)."""
+        return (self.shared_ffn_dim or self.ffn_dim) * self.num_shared_experts

@@ -1,0 +1,83 @@
+"""Row plans: which of this rank's token–expert pairs go to which rank, and how received rows
+are regrouped by expert. Parameter-free and deterministic.
+
+A plan is derived from ``assign_ESR`` (pairs of expert e from source rank s computed at rank
+r), which every rank knows identically after the count exchange, so split sizes never need a
+second exchange. The forward plan covers every pair; a backward plan may cover only a kept
+subset (compaction) and may send pairs to other replicas than the forward did.
+
+Send order at a source: by destination rank, then by the destination's slot order, then by
+pair index. Receive order at a destination: by source rank, then slot, then pair index;
+``regroup_idx`` reorders that into slot-major order for the grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe.placement import Placement
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    pair_idx: torch.Tensor  # int64 (n_send,): flattened (t·K + k) pair ids in send order
+    send_splits: list[int]  # rows to each destination rank
+    recv_splits: list[int]  # rows from each source rank
+    regroup_idx: torch.Tensor | None  # received order → slot-major order; None when identity
+    slot_counts: torch.Tensor  # int64 (L,) rows per local slot, on CPU
+
+    @property
+    def recv_rows(self) -> int:
+        return sum(self.recv_splits)
+
+
+def build_row_plan(
+    ids_P: torch.Tensor,
+    assign_ESR: torch.Tensor,
+    placement: Placement,
+    rank: int,
+    keep_P: torch.Tensor | None = None,
+) -> RowPlan:
+    """Plan the exchange of this rank's pairs (``ids_P`` their expert ids, flattened (T·K)).
+
+    ``keep_P`` (bool) restricts the plan to a subset of pairs; ``assign_ESR`` must then count
+    exactly the kept pairs. Pairs of expert e from this rank are handed to e's holders in pair
+    order: the first ``assign_ESR[e, rank, r0]`` to the first holder r0, and so on.
+    """
+    E, S, W = assign_ESR.shape
+    device = ids_P.device
+    pairs = torch.arange(ids_P.numel(), device=device) if keep_P is None else keep_P.nonzero().squeeze(1)
+    experts = ids_P[pairs]
+    by_expert = torch.argsort(experts, stable=True)
+    pairs, experts = pairs[by_expert], experts[by_expert]
+
+    mine_ER = assign_ESR[:, rank, :].to(device)
+    start_E = mine_ER.sum(1).cumsum(0) - mine_ER.sum(1)
+    within = torch.arange(pairs.numel(), device=device) - start_E[experts]
+    bounds_PR = mine_ER.cumsum(1)[experts]
+    dest = torch.searchsorted(bounds_PR, within.unsqueeze(1), right=True).squeeze(1)
+    slot_WE = placement.slot_index().to(device)
+    order = torch.argsort(dest * E + slot_WE[dest, experts], stable=True)
+    pair_idx = pairs[order]
+
+    send_splits = mine_ER.sum(0).tolist()
+    local = torch.tensor(placement.slots[rank], dtype=torch.long)
+    counts_SL = assign_ESR[local, :, rank].t()  # rows from source s for local slot l
+    recv_splits = counts_SL.sum(1).tolist()
+    return RowPlan(pair_idx, send_splits, recv_splits, _regroup(counts_SL), counts_SL.sum(0))
+
+
+def _regroup(counts_SL: torch.Tensor) -> torch.Tensor | None:
+    """Index turning source-major received rows into slot-major rows (sources in rank order)."""
+    S, L = counts_SL.shape
+    if S == 1 or L <= 1:
+        return None
+    flat_SL = counts_SL.reshape(-1)
+    start_SL = (flat_SL.cumsum(0) - flat_SL).view(S, L)
+    counts_LS, start_LS = counts_SL.t().reshape(-1), start_SL.t().reshape(-1)
+    total = int(flat_SL.sum())
+    dst_start_LS = counts_LS.cumsum(0) - counts_LS
+    shift = torch.repeat_interleave(start_LS - dst_start_LS, counts_LS, output_size=total)
+    return shift + torch.arange(total)

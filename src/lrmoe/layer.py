@@ -1,0 +1,291 @@
+"""MoELayer: router → count exchange → placement plan → dispatch → grouped experts → combine.
+
+The routed-expert path is one hand-written autograd function (:class:`_RoutedExperts`): its
+forward and backward exchange rows with separate split plans, so a backward may carry fewer
+rows (LRMoE compaction) or send them to other replicas than the forward did. The router and the
+shared expert stay on ordinary autograd; the router gradient arrives through the combine
+weights and is exact for every pair (it needs only ⟨g_t, y_te⟩, with y kept at home).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lrmoe import comm, experts
+from lrmoe.comm import Group, WireCounter
+from lrmoe.config import MoEConfig
+from lrmoe.dispatch import RowPlan, build_row_plan
+from lrmoe.experts import GroupedExperts, SwiGLU
+from lrmoe.placement import Placement
+from lrmoe.router import Router, aux_losses
+
+SYSTEMS = ("static", "static-recompute")
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class MemoryMeter:
+    """Bytes a rank holds for the experts during one layer call, and their peak.
+
+    Follows the lifetimes of the tensors the routed path allocates (DESIGN.md "Expert-side
+    memory"): parameters and gradient buffers, received rows, intermediates, send/receive
+    buffers of the backward.
+    """
+
+    def __init__(self, base: int) -> None:
+        self.now = self.peak = base
+
+    def hold(self, *tensors: torch.Tensor | None) -> None:
+        self.now += _nbytes(*tensors)
+        self.peak = max(self.peak, self.now)
+
+    def drop(self, *tensors: torch.Tensor | None) -> None:
+        self.now -= _nbytes(*tensors)
+
+
+@dataclass
+class _Call:
+    """State of one layer call, shared by the routed function's forward and backward."""
+
+    layer: MoELayer
+    ids_TK: torch.Tensor
+    stats: dict = field(default_factory=dict)
+    plan: RowPlan | None = None
+    meter: MemoryMeter | None = None
+    saved: dict = field(default_factory=dict)
+
+
+def _to_slots(recv_XD: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    return recv_XD if plan.regroup_idx is None else recv_XD[plan.regroup_idx.to(recv_XD.device)]
+
+
+def _from_slots(rows_XD: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    if plan.regroup_idx is None:
+        return rows_XD
+    out = torch.empty_like(rows_XD)
+    out[plan.regroup_idx.to(rows_XD.device)] = rows_XD
+    return out
+
+
+def _routed_forward(
+    call: _Call, x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complete forward of the routed experts; returns (out_TD, y_PD expert outputs per pair)."""
+    layer = call.layer
+    t0 = time.perf_counter()
+    T, K = call.ids_TK.shape
+    E, group = layer.config.num_experts, layer.group
+    wire = WireCounter()
+    ids_P = call.ids_TK.reshape(-1)
+
+    counts_E = torch.bincount(ids_P, minlength=E).cpu()
+    counts_SE = comm.all_gather(counts_E.view(1, E), [1] * layer.world, group, wire)
+    assign_ESR = layer.placement.owner_assignment(counts_SE)
+    plan = build_row_plan(ids_P, assign_ESR, layer.placement, layer.rank)
+    call.plan = plan
+
+    meter = MemoryMeter(2 * _nbytes(gate_up, down))  # parameters + their gradient buffers
+    tok_N = plan.pair_idx // K
+    recv_RD = comm.all_to_all(x_TD[tok_N], plan.send_splits, plan.recv_splits, group, wire)
+    meter.hold(recv_RD)
+    rows_RD = _to_slots(recv_RD, plan)
+    if rows_RD is not recv_RD:
+        meter.hold(rows_RD)
+        meter.drop(recv_RD)
+    del recv_RD
+    y_RD, gate_up_R2F, h_RF = experts.expert_forward(rows_RD, gate_up, down, plan.slot_counts)
+    meter.hold(gate_up_R2F, h_RF, y_RD)
+    y_back_RD = _from_slots(y_RD, plan)
+    y_home_ND = comm.all_to_all(y_back_RD, plan.recv_splits, plan.send_splits, group, wire)
+    meter.hold(y_back_RD if y_back_RD is not y_RD else None)
+    meter.drop(y_RD, y_back_RD if y_back_RD is not y_RD else None)
+    del y_RD, y_back_RD
+
+    # Pairs a plan does not carry (dropped by a capacity factor) contribute zero.
+    y_PD = x_TD.new_zeros(T * K, x_TD.shape[1])
+    y_PD[plan.pair_idx] = y_home_ND
+    out_TD = torch.bmm(weights_TK.unsqueeze(1), y_PD.view(T, K, x_TD.shape[1])).squeeze(1)
+
+    if layer.system == "static":
+        call.saved.update(rows_RD=rows_RD, gate_up_R2F=gate_up_R2F, h_RF=h_RF)
+    else:  # expert activations recomputed in the backward
+        call.saved.update(rows_RD=rows_RD)
+        meter.drop(gate_up_R2F, h_RF)
+    call.meter = meter
+    call.stats.update(
+        counts_E=counts_SE.sum(0),
+        recv_rows=plan.recv_rows,
+        fwd_a2a_bytes=wire.sent,
+        fwd_a2a_recv_bytes=wire.received,
+        home_bytes=_nbytes(y_PD, weights_TK, call.ids_TK, plan.pair_idx),
+        fwd_ms=(time.perf_counter() - t0) * 1e3,
+    )
+    return out_TD, y_PD
+
+
+def _routed_backward(
+    call: _Call, g_TD: torch.Tensor, x_TD: torch.Tensor, weights_TK: torch.Tensor, y_PD: torch.Tensor,
+    gate_up: torch.Tensor, down: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full backward with the forward's split plan. Returns (dx_TD, dweights_TK, dgate_up, ddown)."""
+    layer, plan, meter, saved = call.layer, call.plan, call.meter, call.saved
+    t0 = time.perf_counter()
+    T, K = call.ids_TK.shape
+    wire = WireCounter()
+    g_TD = g_TD.contiguous()
+
+    # Router gradient, exact for every pair: d out_t / d w_tk = y_tk.
+    dweights_TK = torch.bmm(y_PD.view(T, K, x_TD.shape[1]), g_TD.unsqueeze(-1)).squeeze(-1)
+
+    tok_N = plan.pair_idx // K
+    dy_ND = g_TD[tok_N] * weights_TK.reshape(-1)[plan.pair_idx].unsqueeze(1)
+    dy_recv_RD = comm.all_to_all(dy_ND, plan.send_splits, plan.recv_splits, layer.group, wire)
+    meter.hold(dy_recv_RD)
+    dy_RD = _to_slots(dy_recv_RD, plan)
+    dx_RD, dgate_up, ddown = experts.expert_backward(
+        dy_RD, saved["rows_RD"], gate_up, down, plan.slot_counts,
+        saved.get("gate_up_R2F"), saved.get("h_RF"),
+    )
+    # Peak of the expert backward: dy, dx, the (R, 2F) gate/up gradient and, when recomputed,
+    # the gate/up activations and h all live at once.
+    R, F2 = dx_RD.shape[0], gate_up.shape[1]
+    transient = R * (2 * F2 + F2 // 2) * dx_RD.element_size()
+    if "gate_up_R2F" not in saved:
+        transient += R * (F2 + F2 // 2) * dx_RD.element_size()
+    meter.hold(dx_RD)
+    meter.peak = max(meter.peak, meter.now + transient)
+    saved.clear()
+    dx_back = _from_slots(dx_RD, plan)
+    dx_home_ND = comm.all_to_all(dx_back, plan.recv_splits, plan.send_splits, layer.group, wire)
+    dx_TD = torch.zeros_like(x_TD)
+    dx_TD.index_add_(0, tok_N, dx_home_ND)
+
+    call.stats.update(
+        bwd_a2a_bytes=wire.sent,
+        bwd_a2a_recv_bytes=wire.received,
+        peak_expert_side_bytes=meter.peak,
+        bwd_ms=(time.perf_counter() - t0) * 1e3,
+    )
+    return dx_TD, dweights_TK, dgate_up, ddown
+
+
+class _RoutedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, gate_up, down, call: _Call):
+        out_TD, y_PD = _routed_forward(call, x_TD, weights_TK, gate_up, down)
+        ctx.call = call
+        ctx.save_for_backward(x_TD, weights_TK, y_PD, gate_up, down)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        x_TD, weights_TK, y_PD, gate_up, down = ctx.saved_tensors
+        dx, dw, dgu, ddown = _routed_backward(ctx.call, g_TD, x_TD, weights_TK, y_PD, gate_up, down)
+        return dx, dw, dgu, ddown, None
+
+
+class MoELayer(nn.Module):
+    """An expert-parallel MoE layer over ``group`` (``None``: world size 1, same code).
+
+    ``forward(x)`` takes (T, D) or (B, S, D). ``system`` selects placement and backward
+    (see DESIGN.md); ``last_stats`` is refreshed by each forward and backward.
+    """
+
+    def __init__(self, config: MoEConfig, system: str = "static", group: Group = None) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be an MoEConfig, got {type(config).__name__}")
+        if system not in SYSTEMS:
+            raise ValueError(f"system={system!r} is invalid: expected one of {SYSTEMS}")
+        self.config, self.system, self.group = config, system, group
+        self.world, self.rank = comm.world_size(group), comm.rank_of(group)
+        self.placement = Placement.static(config.num_experts, self.world)
+        dtype = config.torch_dtype
+        self.router = Router(config)
+        self.experts = GroupedExperts(len(self.placement.owned(self.rank)), config.dim, config.ffn_dim, dtype)
+        self.shared_experts = (
+            SwiGLU(config.dim, config.shared_hidden, dtype) if config.num_shared_experts else None
+        )
+        self.last_stats: dict = {}
+        self.aux_loss: torch.Tensor = torch.zeros(())
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        D = self.config.dim
+        if x.dim() not in (2, 3) or x.shape[-1] != D:
+            raise ValueError(f"MoELayer expects input of shape (T, {D}) or (B, S, {D}), got {tuple(x.shape)}")
+        x_TD = x.reshape(-1, D)
+        routing = self.router(x_TD)
+        self.aux_loss = aux_losses(routing, self.config)
+        call = _Call(self, routing.ids_TK)
+        self.last_stats = call.stats
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if torch.is_grad_enabled():
+            out_TD = _RoutedExperts.apply(x_TD, routing.weights_TK, gate_up, down, call)
+        else:  # forward only: nothing is kept for a backward
+            out_TD, _ = _routed_forward(call, x_TD, routing.weights_TK, gate_up, down)
+            call.saved.clear()
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view(x.shape)
+
+    # ---------------------------------------------------------------- full-shape views
+    def _local_expert_rows(self) -> list[int]:
+        return list(self.placement.owned(self.rank))
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load the state dict of the world-size-1 layer, keeping what this rank holds."""
+        local = dict(state_dict)
+        idx = torch.tensor(self._local_expert_rows(), dtype=torch.long)
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
+            if name not in local:
+                raise KeyError(f"full state dict lacks {name!r}")
+            full = local[name]
+            if full.shape[0] != self.config.num_experts:
+                raise ValueError(
+                    f"{name} has {full.shape[0]} experts, the layer's config has {self.config.num_experts}"
+                )
+            local[name] = full.index_select(0, idx)
+        self.load_state_dict(local)
+
+    def _gather_experts(self, local_LXY: torch.Tensor) -> torch.Tensor:
+        """Expert tensors of all owners, in expert order, on every rank."""
+        owned = [self.placement.owned(r) for r in range(self.world)]
+        stacked = comm.all_gather(local_LXY.detach(), [len(o) for o in owned], self.group)
+        order = torch.tensor([e for o in owned for e in o], dtype=torch.long)
+        full = torch.empty_like(stacked)
+        full[order] = stacked
+        return full
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the world-size-1 layer's state dict, on every rank."""
+        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
+            sd[name] = self._gather_experts(sd[name])
+        return sd
+
+    def gather_full_grads(self) -> dict[str, torch.Tensor]:
+        """Collective: gradients of the world-size-1 layer fed with all ranks' tokens.
+
+        Replicated parameters (router, shared expert): summed over ranks. Experts: from owners.
+        """
+        grads = {}
+        for name, p in self.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if name.startswith("experts."):
+                grads[name] = self._gather_experts(g)
+            else:
+                grads[name] = comm.all_reduce_sum(g.detach(), self.group)
+        return grads
+
+    # ---------------------------------------------------------------- training hooks
+    @torch.no_grad()
+    def update_router_bias(self, counts_E: torch.Tensor, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing (sigmoid router), once per optimizer step, global counts."""
+        self.router.update_bias(counts_E, rate)
