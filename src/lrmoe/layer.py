@@ -99,8 +99,8 @@ def _routed_forward(
         meter.hold(rows_RD)
         meter.drop(recv_RD)
     del recv_RD
-    y_RD, gate_up_R2F, h_RF = experts.expert_forward(rows_RD, gate_up, down, plan.slot_counts)
-    meter.hold(gate_up_R2F, h_RF, y_RD)
+    y_RD, acts = experts.expert_forward(rows_RD, gate_up, down, plan.slot_counts)
+    meter.hold(y_RD, *acts.values())
     y_back_RD = _from_slots(y_RD, plan)
     y_home_ND = comm.all_to_all(y_back_RD, plan.recv_splits, plan.send_splits, group, wire)
     meter.hold(y_back_RD if y_back_RD is not y_RD else None)
@@ -108,15 +108,17 @@ def _routed_forward(
     del y_RD, y_back_RD
 
     # Pairs a plan does not carry (dropped by a capacity factor) contribute zero.
-    y_PD = x_TD.new_zeros(T * K, x_TD.shape[1])
+    full = len(plan.pair_idx) == T * K
+    y_PD = (x_TD.new_empty if full else x_TD.new_zeros)(T * K, x_TD.shape[1])
     y_PD[plan.pair_idx] = y_home_ND
     out_TD = torch.bmm(weights_TK.unsqueeze(1), y_PD.view(T, K, x_TD.shape[1])).squeeze(1)
 
+    call.saved["rows_RD"] = rows_RD
     if layer.system == "static":
-        call.saved.update(rows_RD=rows_RD, gate_up_R2F=gate_up_R2F, h_RF=h_RF)
+        call.saved["acts"] = acts
     else:  # expert activations recomputed in the backward
-        call.saved.update(rows_RD=rows_RD)
-        meter.drop(gate_up_R2F, h_RF)
+        meter.drop(*acts.values())
+    del acts
     call.meter = meter
     call.stats.update(
         counts_E=counts_SE.sum(0),
@@ -144,23 +146,25 @@ def _routed_backward(
     dweights_TK = torch.bmm(y_PD.view(T, K, x_TD.shape[1]), g_TD.unsqueeze(-1)).squeeze(-1)
 
     tok_N = plan.pair_idx // K
-    dy_ND = g_TD[tok_N] * weights_TK.reshape(-1)[plan.pair_idx].unsqueeze(1)
+    dy_ND = g_TD[tok_N].mul_(weights_TK.reshape(-1)[plan.pair_idx].unsqueeze(1))
     dy_recv_RD = comm.all_to_all(dy_ND, plan.send_splits, plan.recv_splits, layer.group, wire)
     meter.hold(dy_recv_RD)
     dy_RD = _to_slots(dy_recv_RD, plan)
+    if dy_RD is not dy_recv_RD:
+        meter.hold(dy_RD)
+        meter.drop(dy_recv_RD)
+    del dy_recv_RD
+    acts = saved.pop("acts", None)
+    # The expert backward works in place (dh over h, d up over silu, d gate over gate, dx over
+    # dy), so its peak is the four (R, F) activations beside dy and x: already counted when
+    # saved, recomputed otherwise.
+    rf = dy_RD.shape[0] * down.shape[2] * dy_RD.element_size()
+    meter.peak = max(meter.peak, meter.now + (0 if acts is not None else 4 * rf))
+    if acts is not None:
+        meter.drop(*acts.values())
     dx_RD, dgate_up, ddown = experts.expert_backward(
-        dy_RD, saved["rows_RD"], gate_up, down, plan.slot_counts,
-        saved.get("gate_up_R2F"), saved.get("h_RF"),
+        dy_RD, saved.pop("rows_RD"), gate_up, down, plan.slot_counts, acts
     )
-    # Peak of the expert backward: dy, dx, the (R, 2F) gate/up gradient and, when recomputed,
-    # the gate/up activations and h all live at once.
-    R, F2 = dx_RD.shape[0], gate_up.shape[1]
-    transient = R * (2 * F2 + F2 // 2) * dx_RD.element_size()
-    if "gate_up_R2F" not in saved:
-        transient += R * (F2 + F2 // 2) * dx_RD.element_size()
-    meter.hold(dx_RD)
-    meter.peak = max(meter.peak, meter.now + transient)
-    saved.clear()
     dx_back = _from_slots(dx_RD, plan)
     dx_home_ND = comm.all_to_all(dx_back, plan.recv_splits, plan.send_splits, layer.group, wire)
     dx_TD = torch.zeros_like(x_TD)
