@@ -25,6 +25,11 @@ def _positive_int(field: str, value: object) -> None:
         raise _bad(field, value, "expected an integer >= 1")
 
 
+def _fraction(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise _bad(field, value, "expected a number in (0, 1]")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a config dtype (a name such as ``"bfloat16"`` or a ``torch.dtype``) to a ``torch.dtype``."""
     if isinstance(dtype, torch.dtype):
@@ -107,3 +112,28 @@ class MoEConfig:
     def shared_hidden(self) -> int:
         """Hidden size of the shared expert MLP (all shared experts fused into one, as in HF)."""
         return (self.shared_ffn_dim or self.ffn_dim) * self.num_shared_experts
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """How the LRMoE backward picks the token–expert pairs it keeps.
+
+    ``selection``: ``"lrm"`` exact global top-q_e by LRM score; ``"random"`` uniform within the
+    quota (seeded); ``"local"`` each rank keeps its largest-remainder share of q_e by its own
+    scores, no score exchange; ``"sampled"`` keep with probability ∝ score (floor ``p_min``),
+    expected count q_e, kept contributions reweighted by 1/p (unbiased).
+    ``ratio``: the fixed-ratio quota q_e = min(c_e, max(1, ceil(ratio·c_e))).
+    """
+
+    selection: str = "lrm"
+    ratio: float = 0.5
+    seed: int = 0
+    p_min: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.selection not in SELECTIONS:
+            raise _bad("selection", self.selection, f"expected one of {SELECTIONS}")
+        _fraction("ratio", self.ratio)
+        _fraction("p_min", self.p_min)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _bad("seed", self.seed, "expected an integer")

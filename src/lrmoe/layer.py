@@ -17,13 +17,15 @@ from torch import nn
 
 from lrmoe import comm, experts
 from lrmoe.comm import Group, WireCounter
-from lrmoe.config import MoEConfig
+from lrmoe.config import BackwardConfig, MoEConfig
 from lrmoe.dispatch import RowPlan, build_row_plan
 from lrmoe.experts import GroupedExperts, SwiGLU
 from lrmoe.placement import Placement
 from lrmoe.router import Router, aux_losses
+from lrmoe.selection import Selection, fixed_ratio_quota, lrm_scores, select, squared_norms
 
-SYSTEMS = ("static", "static-recompute")
+SYSTEMS = ("static", "static-recompute", "lrmoe", "masked")
+SELECTIVE = ("lrmoe", "masked")  # systems whose backward keeps only selected pairs
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -57,55 +59,65 @@ class _Call:
     ids_TK: torch.Tensor
     stats: dict = field(default_factory=dict)
     plan: RowPlan | None = None
+    counts_SE: torch.Tensor | None = None
     meter: MemoryMeter | None = None
     saved: dict = field(default_factory=dict)
 
 
-def _to_slots(recv_XD: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    return recv_XD if plan.regroup_idx is None else recv_XD[plan.regroup_idx.to(recv_XD.device)]
-
-
-def _from_slots(rows_XD: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+def _to_experts(
+    send_ND: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounter, meter: MemoryMeter
+) -> torch.Tensor:
+    """Send home rows to the experts; returns them received and regrouped slot-major."""
+    recv_RD = comm.all_to_all(send_ND, plan.send_splits, plan.recv_splits, group, wire)
+    meter.hold(recv_RD)
     if plan.regroup_idx is None:
-        return rows_XD
-    out = torch.empty_like(rows_XD)
-    out[plan.regroup_idx.to(rows_XD.device)] = rows_XD
-    return out
+        return recv_RD
+    rows_RD = recv_RD[plan.regroup_idx.to(recv_RD.device)]
+    meter.hold(rows_RD)
+    meter.drop(recv_RD)
+    return rows_RD
+
+
+def _to_home(rows_RX: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounter) -> torch.Tensor:
+    """Inverse of :func:`_to_experts`: slot-major expert rows back to their home ranks."""
+    if plan.regroup_idx is not None:
+        back = torch.empty_like(rows_RX)
+        back[plan.regroup_idx.to(rows_RX.device)] = rows_RX
+        rows_RX = back
+    return comm.all_to_all(rows_RX, plan.recv_splits, plan.send_splits, group, wire)
 
 
 def _routed_forward(
     call: _Call, x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Complete forward of the routed experts; returns (out_TD, y_PD expert outputs per pair)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Complete forward of the routed experts.
+
+    Returns (out_TD, y_PD expert outputs per pair, h_sq_P ‖h‖² per pair or None): the last two
+    stay at home for the backward (router gradient, LRM scores).
+    """
     layer = call.layer
     t0 = time.perf_counter()
     T, K = call.ids_TK.shape
-    E, group = layer.config.num_experts, layer.group
+    E, group, system = layer.config.num_experts, layer.group, layer.system
     wire = WireCounter()
     ids_P = call.ids_TK.reshape(-1)
 
     counts_E = torch.bincount(ids_P, minlength=E).cpu()
     counts_SE = comm.all_gather(counts_E.view(1, E), [1] * layer.world, group, wire)
-    assign_ESR = layer.placement.owner_assignment(counts_SE)
-    plan = build_row_plan(ids_P, assign_ESR, layer.placement, layer.rank)
-    call.plan = plan
+    plan = build_row_plan(ids_P, layer.placement.owner_assignment(counts_SE), layer.placement, layer.rank)
+    call.plan, call.counts_SE = plan, counts_SE
 
     meter = MemoryMeter(2 * _nbytes(gate_up, down))  # parameters + their gradient buffers
-    tok_N = plan.pair_idx // K
-    recv_RD = comm.all_to_all(x_TD[tok_N], plan.send_splits, plan.recv_splits, group, wire)
-    meter.hold(recv_RD)
-    rows_RD = _to_slots(recv_RD, plan)
-    if rows_RD is not recv_RD:
-        meter.hold(rows_RD)
-        meter.drop(recv_RD)
-    del recv_RD
+    rows_RD = _to_experts(x_TD[plan.pair_idx // K], plan, group, wire, meter)
     y_RD, acts = experts.expert_forward(rows_RD, gate_up, down, plan.slot_counts)
     meter.hold(y_RD, *acts.values())
-    y_back_RD = _from_slots(y_RD, plan)
-    y_home_ND = comm.all_to_all(y_back_RD, plan.recv_splits, plan.send_splits, group, wire)
-    meter.hold(y_back_RD if y_back_RD is not y_RD else None)
-    meter.drop(y_RD, y_back_RD if y_back_RD is not y_RD else None)
-    del y_RD, y_back_RD
+    h_sq_P = None
+    if system in SELECTIVE:  # ‖h‖² of every pair goes home with y, for the LRM scores
+        h_sq_P = torch.empty(T * K, dtype=torch.float64, device=x_TD.device)
+        h_sq_P[plan.pair_idx] = _to_home(squared_norms(acts["h"]), plan, group, wire)
+    y_home_ND = _to_home(y_RD, plan, group, wire)
+    meter.drop(y_RD)
+    del y_RD
 
     # Pairs a plan does not carry (dropped by a capacity factor) contribute zero.
     full = len(plan.pair_idx) == T * K
@@ -113,47 +125,88 @@ def _routed_forward(
     y_PD[plan.pair_idx] = y_home_ND
     out_TD = torch.bmm(weights_TK.unsqueeze(1), y_PD.view(T, K, x_TD.shape[1])).squeeze(1)
 
-    call.saved["rows_RD"] = rows_RD
-    if layer.system == "static":
-        call.saved["acts"] = acts
-    else:  # expert activations recomputed in the backward
+    # What the expert side keeps for the backward (DESIGN.md "Recompute"): static keeps rows
+    # and activations, the recompute systems rows only, lrmoe nothing (home re-sends x rows).
+    if system == "static":
+        call.saved.update(rows_RD=rows_RD, acts=acts)
+    else:
         meter.drop(*acts.values())
-    del acts
+        if system == "lrmoe":
+            meter.drop(rows_RD)
+        else:
+            call.saved["rows_RD"] = rows_RD
+    del acts, rows_RD
     call.meter = meter
     call.stats.update(
         counts_E=counts_SE.sum(0),
         recv_rows=plan.recv_rows,
         fwd_a2a_bytes=wire.sent,
         fwd_a2a_recv_bytes=wire.received,
-        home_bytes=_nbytes(y_PD, weights_TK, call.ids_TK, plan.pair_idx),
+        home_bytes=_nbytes(y_PD, weights_TK, call.ids_TK, plan.pair_idx, h_sq_P),
         fwd_ms=(time.perf_counter() - t0) * 1e3,
     )
-    return out_TD, y_PD
+    return out_TD, y_PD, h_sq_P
+
+
+def _select(call: _Call, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
+            wire: WireCounter) -> Selection:
+    """LRM scores of this rank's pairs and the kept set (collective)."""
+    layer = call.layer
+    K = call.ids_TK.shape[1]
+    ids_P = call.ids_TK.reshape(-1)
+    g_sq_P = squared_norms(g_TD).repeat_interleave(K)
+    scores_P = lrm_scores(weights_TK.reshape(-1), g_sq_P, h_sq_P)
+    quota_E = fixed_ratio_quota(call.counts_SE.sum(0), layer.backward_config.ratio)
+    return select(scores_P, ids_P, call.counts_SE, quota_E, layer.backward_config, layer.group, wire,
+                  layer._selection_generator())
 
 
 def _routed_backward(
     call: _Call, g_TD: torch.Tensor, x_TD: torch.Tensor, weights_TK: torch.Tensor, y_PD: torch.Tensor,
-    gate_up: torch.Tensor, down: torch.Tensor,
+    h_sq_P: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full backward with the forward's split plan. Returns (dx_TD, dweights_TK, dgate_up, ddown)."""
-    layer, plan, meter, saved = call.layer, call.plan, call.meter, call.saved
+    """Backward of the routed experts. Returns (dx_TD, dweights_TK, dgate_up, ddown).
+
+    Full-backward systems reuse the forward's plan. ``masked`` uses it too, with the rows of
+    dropped pairs zeroed. ``lrmoe`` builds a compacted plan over the kept pairs only and
+    re-sends their x rows, since its expert side kept none.
+    """
+    layer, meter, saved = call.layer, call.meter, call.saved
     t0 = time.perf_counter()
     T, K = call.ids_TK.shape
+    ids_P = call.ids_TK.reshape(-1)
     wire = WireCounter()
     g_TD = g_TD.contiguous()
 
-    # Router gradient, exact for every pair: d out_t / d w_tk = y_tk.
+    # Router gradient, exact for every pair: d out_t / d w_tk = ⟨g_t, y_tk⟩.
     dweights_TK = torch.bmm(y_PD.view(T, K, x_TD.shape[1]), g_TD.unsqueeze(-1)).squeeze(-1)
 
+    # Per-row factor of dy = factor · g_t: the routing weight, times 1/p for sampled pairs,
+    # times 0 for pairs the masked ablation drops.
+    factor_P = weights_TK.reshape(-1)
+    plan = call.plan
+    if layer.system in SELECTIVE:
+        sel = _select(call, g_TD, weights_TK, h_sq_P, wire)
+        if sel.scale_P is not None:
+            factor_P = factor_P * sel.scale_P.to(factor_P.dtype)
+        if layer.system == "masked":
+            factor_P = factor_P * sel.keep_P
+        else:
+            assign_ESR = layer.placement.owner_assignment(sel.kept_SE)
+            plan = build_row_plan(ids_P, assign_ESR, layer.placement, layer.rank, keep_P=sel.keep_P)
+        keep_TK, quota_E, kept_E = sel.keep_P.view(T, K), sel.quota_E, sel.kept_SE.sum(0)
+        call.stats["nonfinite"] = sel.nonfinite
+    else:
+        keep_TK = torch.ones_like(call.ids_TK, dtype=torch.bool)
+        quota_E = kept_E = call.counts_SE.sum(0)
     tok_N = plan.pair_idx // K
-    dy_ND = g_TD[tok_N].mul_(weights_TK.reshape(-1)[plan.pair_idx].unsqueeze(1))
-    dy_recv_RD = comm.all_to_all(dy_ND, plan.send_splits, plan.recv_splits, layer.group, wire)
-    meter.hold(dy_recv_RD)
-    dy_RD = _to_slots(dy_recv_RD, plan)
-    if dy_RD is not dy_recv_RD:
-        meter.hold(dy_RD)
-        meter.drop(dy_recv_RD)
-    del dy_recv_RD
+    dy_ND = g_TD[tok_N].mul_(factor_P[plan.pair_idx].unsqueeze(1))
+    x_ND = x_TD[tok_N] if layer.system == "lrmoe" else None
+    select_ms = (time.perf_counter() - t0) * 1e3
+
+    dy_RD = _to_experts(dy_ND, plan, layer.group, wire, meter)
+    rows_RD = saved.pop("rows_RD") if x_ND is None else _to_experts(x_ND, plan, layer.group, wire, meter)
+    del dy_ND, x_ND
     acts = saved.pop("acts", None)
     # The expert backward works in place (dh over h, d up over silu, d gate over gate, dx over
     # dy), so its peak is the four (R, F) activations beside dy and x: already counted when
@@ -162,15 +215,19 @@ def _routed_backward(
     meter.peak = max(meter.peak, meter.now + (0 if acts is not None else 4 * rf))
     if acts is not None:
         meter.drop(*acts.values())
-    dx_RD, dgate_up, ddown = experts.expert_backward(
-        dy_RD, saved.pop("rows_RD"), gate_up, down, plan.slot_counts, acts
-    )
-    dx_back = _from_slots(dx_RD, plan)
-    dx_home_ND = comm.all_to_all(dx_back, plan.recv_splits, plan.send_splits, layer.group, wire)
+    bwd_rows = dy_RD.shape[0]
+    dx_RD, dgate_up, ddown = experts.expert_backward(dy_RD, rows_RD, gate_up, down, plan.slot_counts, acts)
+    del rows_RD, dy_RD
+    dx_home_ND = _to_home(dx_RD, plan, layer.group, wire)
     dx_TD = torch.zeros_like(x_TD)
     dx_TD.index_add_(0, tok_N, dx_home_ND)
 
+    layer.last_kept = keep_TK
     call.stats.update(
+        quota_E=quota_E,
+        kept_E=kept_E,
+        bwd_gemm_rows=bwd_rows,
+        select_ms=select_ms if layer.system in SELECTIVE else 0.0,
         bwd_a2a_bytes=wire.sent,
         bwd_a2a_recv_bytes=wire.received,
         peak_expert_side_bytes=meter.peak,
@@ -182,16 +239,16 @@ def _routed_backward(
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, weights_TK, gate_up, down, call: _Call):
-        out_TD, y_PD = _routed_forward(call, x_TD, weights_TK, gate_up, down)
+        out_TD, y_PD, h_sq_P = _routed_forward(call, x_TD, weights_TK, gate_up, down)
         ctx.call = call
-        ctx.save_for_backward(x_TD, weights_TK, y_PD, gate_up, down)
+        ctx.save_for_backward(x_TD, weights_TK, y_PD, h_sq_P, gate_up, down)
         return out_TD
 
     @staticmethod
     def backward(ctx, g_TD):
-        x_TD, weights_TK, y_PD, gate_up, down = ctx.saved_tensors
-        dx, dw, dgu, ddown = _routed_backward(ctx.call, g_TD, x_TD, weights_TK, y_PD, gate_up, down)
-        return dx, dw, dgu, ddown, None
+        x_TD, weights_TK, y_PD, h_sq_P, gate_up, down = ctx.saved_tensors
+        grads = _routed_backward(ctx.call, g_TD, x_TD, weights_TK, y_PD, h_sq_P, gate_up, down)
+        return (*grads, None)
 
 
 class MoELayer(nn.Module):
@@ -201,13 +258,23 @@ class MoELayer(nn.Module):
     (see DESIGN.md); ``last_stats`` is refreshed by each forward and backward.
     """
 
-    def __init__(self, config: MoEConfig, system: str = "static", group: Group = None) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        system: str = "static",
+        group: Group = None,
+        backward: BackwardConfig | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be an MoEConfig, got {type(config).__name__}")
         if system not in SYSTEMS:
             raise ValueError(f"system={system!r} is invalid: expected one of {SYSTEMS}")
+        if backward is not None and not isinstance(backward, BackwardConfig):
+            raise TypeError(f"backward must be a BackwardConfig, got {type(backward).__name__}")
         self.config, self.system, self.group = config, system, group
+        self.backward_config = backward or BackwardConfig()
+        self._backward_calls = 0  # seeds random/sampled selection: one stream per backward
         self.world, self.rank = comm.world_size(group), comm.rank_of(group)
         self.placement = Placement.static(config.num_experts, self.world)
         dtype = config.torch_dtype
@@ -217,7 +284,14 @@ class MoELayer(nn.Module):
             SwiGLU(config.dim, config.shared_hidden, dtype) if config.num_shared_experts else None
         )
         self.last_stats: dict = {}
+        self.last_kept: torch.Tensor | None = None  # (T, K) bool after a backward
         self.aux_loss: torch.Tensor = torch.zeros(())
+
+    def _selection_generator(self) -> torch.Generator:
+        """A fresh stream per backward call and rank, reproducible from the config's seed."""
+        self._backward_calls += 1
+        seed = (self.backward_config.seed * 1_000_003 + self._backward_calls) * 65_537 + self.rank
+        return torch.Generator().manual_seed(seed % (2**63))
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,7 +307,7 @@ class MoELayer(nn.Module):
         if torch.is_grad_enabled():
             out_TD = _RoutedExperts.apply(x_TD, routing.weights_TK, gate_up, down, call)
         else:  # forward only: nothing is kept for a backward
-            out_TD, _ = _routed_forward(call, x_TD, routing.weights_TK, gate_up, down)
+            out_TD = _routed_forward(call, x_TD, routing.weights_TK, gate_up, down)[0]
             call.saved.clear()
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
