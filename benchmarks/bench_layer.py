@@ -11,40 +11,14 @@ with rows `static` and `hf` (the faster transformers implementation, named in `i
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from common import print_table, time_rows, write_json  # noqa: E402
 
 from lrmoe.integrations.hf import from_hf_block  # noqa: E402
-
-
-def time_rows(modules: dict[str, torch.nn.Module], x: torch.Tensor, g: torch.Tensor, repeats: int) -> dict:
-    """Median forward, backward and their sum per module. Modules run interleaved, one
-    iteration each per round, so slow drifts of a shared machine hit every row alike."""
-    times = {name: {"fwd": [], "bwd": [], "total": []} for name in modules}
-    for i in range(repeats + 1):  # round 0 warms up
-        for name, module in modules.items():
-            module.zero_grad(set_to_none=True)
-            xi = x.detach().requires_grad_(True)
-            t0 = time.perf_counter()
-            y = module(xi)
-            t1 = time.perf_counter()
-            y.backward(g)
-            t2 = time.perf_counter()
-            if i:
-                times[name]["fwd"].append(t1 - t0)
-                times[name]["bwd"].append(t2 - t1)
-                times[name]["total"].append(t2 - t0)
-    figures = {"fwd_ms": "fwd", "bwd_ms": "bwd", "fwd_bwd_ms": "total"}
-    return {
-        name: {fig: statistics.median(t[key]) * 1e3 for fig, key in figures.items()}
-        for name, t in times.items()
-    }
 
 
 def hf_block(args: argparse.Namespace, impl: str) -> torch.nn.Module:
@@ -86,15 +60,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {"static": timed["static"], "hf": {**timed[f"hf-{best}"], "impl": best}}
     rows.update({k: v for k, v in timed.items() if k.startswith("hf-")})
 
-    print(f"MoE layer T={args.tokens} D={args.dim} F={args.ffn} E={args.experts} K={args.top_k} fp32, "
-          f"1 thread, median of {args.repeats}")
-    print(f"{'row':<16}{'fwd_ms':>10}{'bwd_ms':>10}{'fwd_bwd_ms':>12}{'vs hf':>8}")
-    for name, r in rows.items():
-        ratio = r["fwd_bwd_ms"] / rows["hf"]["fwd_bwd_ms"]
-        print(f"{name:<16}{r['fwd_ms']:>10.1f}{r['bwd_ms']:>10.1f}{r['fwd_bwd_ms']:>12.1f}{ratio:>8.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    for r in rows.values():
+        r["vs_hf"] = r["fwd_bwd_ms"] / rows["hf"]["fwd_bwd_ms"]
+    print_table(
+        f"MoE layer T={args.tokens} D={args.dim} F={args.ffn} E={args.experts} K={args.top_k} fp32, "
+        f"1 thread, median of {args.repeats} interleaved rounds (hf = transformers {best})",
+        rows, ["fwd_ms", "bwd_ms", "fwd_bwd_ms", "vs_hf"],
+    )
+    write_json(args.out, rows)
     return rows
 
 

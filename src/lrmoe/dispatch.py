@@ -53,14 +53,17 @@ def build_row_plan(
     by_expert = torch.argsort(experts, stable=True)
     pairs, experts = pairs[by_expert], experts[by_expert]
 
-    mine_ER = assign_ESR[:, rank, :].to(device)
-    start_E = mine_ER.sum(1).cumsum(0) - mine_ER.sum(1)
-    within = torch.arange(pairs.numel(), device=device) - start_E[experts]
-    bounds_PR = mine_ER.cumsum(1)[experts]
-    dest = torch.searchsorted(bounds_PR, within.unsqueeze(1), right=True).squeeze(1)
-    slot_WE = placement.slot_index().to(device)
-    order = torch.argsort(dest * E + slot_WE[dest, experts], stable=True)
-    pair_idx = pairs[order]
+    mine_ER = assign_ESR[:, rank, :]
+    if placement.expert_ordered:
+        pair_idx = pairs  # sorted by expert = by (destination, slot)
+    else:
+        mine_dev = mine_ER.to(device)
+        start_E = mine_dev.sum(1).cumsum(0) - mine_dev.sum(1)
+        within = torch.arange(pairs.numel(), device=device) - start_E[experts]
+        bounds_PR = mine_dev.cumsum(1)[experts]
+        dest = torch.searchsorted(bounds_PR, within.unsqueeze(1), right=True).squeeze(1)
+        slot_WE = placement.slot_index.to(device)
+        pair_idx = pairs[torch.argsort(dest * E + slot_WE[dest, experts], stable=True)]
 
     send_splits = mine_ER.sum(0).tolist()
     local = torch.tensor(placement.slots[rank], dtype=torch.long)

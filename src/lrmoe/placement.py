@@ -7,6 +7,7 @@ multiple of the world size the first ``E mod W`` ranks hold one expert more (une
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -41,12 +42,20 @@ class Placement:
         """Experts whose parameters ``rank`` owns, ascending."""
         return tuple(e for e in self.slots[rank] if int(self.owner_E[e]) == rank)
 
+    @cached_property
     def slot_index(self) -> torch.Tensor:
         """int64 (W, E): position of expert e among rank r's slots, -1 where r does not hold e."""
         idx = torch.full((self.world, self.num_experts), -1, dtype=torch.long)
         for r, experts in enumerate(self.slots):
             idx[r, list(experts)] = torch.arange(len(experts))
         return idx
+
+    @cached_property
+    def expert_ordered(self) -> bool:
+        """One copy per expert, and expert order is (owner rank, slot) order, as in static
+        placement: then pairs sorted by expert are already in send order."""
+        flat = [e for experts in self.slots for e in experts]
+        return flat == list(range(self.num_experts))
 
     def owner_assignment(self, counts_SE: torch.Tensor) -> torch.Tensor:
         """assign_ESR for single-copy placement: every pair of expert e goes to its owner."""

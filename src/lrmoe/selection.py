@@ -128,6 +128,8 @@ def select(
     if cfg.selection == "local":
         # Non-finite pairs first, then the rest of q_e apportioned by finite local counts.
         kept_SE = _largest_remainder(quota_E - nf_E, counts_SE - nf_SE) + nf_SE
+    elif W == 1:  # the local top-q_e is the global one
+        kept_SE = quota_E.view(1, E).clone()
     else:  # exact global top-q_e by merging every rank's candidates
         cand_SE = torch.minimum(quota_E.unsqueeze(0), counts_SE)
         mine = order[pos < cand_SE[me].to(device)[ids_P[order]]]

@@ -1,0 +1,73 @@
+"""Shared timing and reporting for the benchmark scripts.
+
+Timings on shared machines drift: rows run interleaved (one iteration of each per round, after
+a warm-up round) and report medians, so a slow phase hits every row alike. Use ratios between
+rows of one run, never absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def time_rows(
+    modules: dict[str, torch.nn.Module],
+    x: torch.Tensor,
+    g: torch.Tensor,
+    repeats: int,
+    after_backward: Callable[[str, torch.nn.Module], dict] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Median forward, backward and forward+backward (ms) per module, interleaved rounds.
+
+    ``after_backward(name, module)`` may return extra per-iteration figures (medians too).
+    """
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in modules}
+    for i in range(repeats + 1):  # round 0 warms up
+        for name, module in modules.items():
+            module.zero_grad(set_to_none=True)
+            xi = x.detach().requires_grad_(True)
+            t0 = time.perf_counter()
+            y = module(xi)
+            t1 = time.perf_counter()
+            y.backward(g)
+            t2 = time.perf_counter()
+            if not i:
+                continue
+            figures = {"fwd_ms": (t1 - t0) * 1e3, "bwd_ms": (t2 - t1) * 1e3, "fwd_bwd_ms": (t2 - t0) * 1e3}
+            if after_backward is not None:
+                figures.update(after_backward(name, module))
+            for key, value in figures.items():
+                samples[name].setdefault(key, []).append(float(value))
+    return {name: {k: statistics.median(v) for k, v in figs.items()} for name, figs in samples.items()}
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return f"{'-':>16}"
+    if isinstance(v, float):
+        return f"{v:>16.3f}" if abs(v) < 10 else f"{v:>16.1f}"
+    return f"{v!s:>16}"
+
+
+def print_table(title: str, rows: dict[str, dict], columns: list[str]) -> None:
+    print(title)
+    width = max(len(name) for name in rows) + 2
+    print(f"{'row':<{width}}" + "".join(f"{c:>16}" for c in columns))
+    for name, r in rows.items():
+        cells = []
+        for c in columns:
+            v = r.get(c)
+            cells.append(_cell(v))
+        print(f"{name:<{width}}" + "".join(cells))
+
+
+def write_json(path: str | None, rows: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {path}")
