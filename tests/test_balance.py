@@ -1,0 +1,130 @@
+"""assign_min_peak against an independent exact method (binary search over the peak with a
+networkx max-flow feasibility test), property-based."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lrmoe.balance import assign_min_peak
+
+
+def optimal_peak(counts, holders, capacity=None, base=None):
+    """Smallest P such that a flow places every row with base_r + rows_r <= min(P, cap_r);
+    None when no P works."""
+    E, R = counts.shape
+    base = [0] * R if base is None else list(base)
+    n = counts.sum(1).tolist()
+
+    def feasible(P):
+        g = nx.DiGraph()
+        for e in range(E):
+            if n[e]:
+                g.add_edge("s", ("e", e), capacity=n[e])
+                for r in holders[e]:
+                    g.add_edge(("e", e), ("r", r))  # no capacity attribute: unbounded
+        for r in range(R):
+            room = min(P, capacity[r]) if capacity is not None else P
+            g.add_edge(("r", r), "t", capacity=max(room - base[r], 0))
+        if sum(n) == 0:
+            return True
+        return nx.maximum_flow_value(g, "s", "t") == sum(n)
+
+    lo, hi = max(base), max(base) + sum(n)
+    if not feasible(hi if capacity is None else max(hi, max(capacity))):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@st.composite
+def instances(draw, max_e=32, max_r=8):
+    R = draw(st.integers(1, max_r))
+    E = draw(st.integers(1, max_e))
+    holders = [sorted(draw(st.sets(st.integers(0, R - 1), min_size=1, max_size=min(4, R)))) for _ in range(E)]
+    hot = draw(st.integers(0, 50))
+    counts = torch.tensor([[draw(st.integers(0, hot)) for _ in range(R)] for _ in range(E)], dtype=torch.long)
+    base = draw(st.one_of(st.none(), st.lists(st.integers(0, 30), min_size=R, max_size=R)))
+    return counts, holders, base
+
+
+def check(counts, holders, assign, capacity=None, base=None):
+    E, R = counts.shape
+    assert assign.shape == (E, R, R) and assign.dtype == torch.long
+    assert torch.equal(assign.sum(2), counts), "conservation"
+    assert (assign >= 0).all()
+    for e in range(E):
+        others = [r for r in range(R) if r not in holders[e]]
+        assert assign[e][:, others].sum() == 0, "rows only on holders"
+    load = assign.sum((0, 1)) + (torch.tensor(base) if base is not None else 0)
+    if capacity is not None:
+        assert (load <= torch.tensor(capacity)).all(), "capacity respected"
+    return int(load.max())
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances())
+def test_peak_is_optimal(inst):
+    counts, holders, base = inst
+    assign = assign_min_peak(counts, holders, base_R=base)
+    peak = check(counts, holders, assign, base=base)
+    assert peak == optimal_peak(counts, holders, base=base)
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances(), st.data())
+def test_capacity_respected_or_infeasible(inst, data):
+    counts, holders, base = inst
+    R = counts.shape[1]
+    base_l = base or [0] * R
+    capacity = [b + data.draw(st.integers(0, 80)) for b in base_l]
+    want = optimal_peak(counts, holders, capacity, base_l)
+    if want is None:
+        with pytest.raises(ValueError, match="infeasible"):
+            assign_min_peak(counts, holders, capacity, base_l)
+        return
+    assign = assign_min_peak(counts, holders, capacity, base_l)
+    assert check(counts, holders, assign, capacity, base_l) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances(max_e=16, max_r=6))
+def test_locality_when_all_local_is_optimal(inst):
+    """Make every expert held by every rank with rows: keeping all rows local is then one
+    assignment; when its peak is optimal, the result must keep every row local."""
+    counts, _, _ = inst
+    E, R = counts.shape
+    holders = [list(range(R))] * E
+    local_peak = int(counts.sum(0).max())
+    assign = assign_min_peak(counts, holders)
+    peak = check(counts, holders, assign)
+    if peak == local_peak:
+        diag = assign[:, torch.arange(R), torch.arange(R)]
+        assert torch.equal(diag, counts), "an optimal all-local assignment exists but rows moved"
+
+
+def test_local_rows_stay_when_balanced():
+    counts = torch.tensor([[5, 5], [5, 5]])
+    assign = assign_min_peak(counts, [[0, 1], [0, 1]])
+    assert assign[:, 0, 1].sum() == 0 and assign[:, 1, 0].sum() == 0
+
+
+def test_deterministic_and_errors():
+    counts = torch.tensor([[3, 4, 0], [0, 9, 2], [1, 1, 1]])
+    holders = [[0, 2], [1], [0, 1, 2]]
+    a = assign_min_peak(counts, holders)
+    assert torch.equal(a, assign_min_peak(counts.clone(), [list(h) for h in holders]))
+    with pytest.raises(ValueError, match="no holder"):
+        assign_min_peak(counts, [[0], [], [1]])
+    with pytest.raises(ValueError, match="infeasible capacity"):
+        assign_min_peak(counts, holders, capacity_R=[2, 2, 2])
+    with pytest.raises(ValueError, match="holders has"):
+        assign_min_peak(counts, holders[:2])
