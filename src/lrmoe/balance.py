@@ -92,7 +92,7 @@ def _max_flow(flow, supply, slack, holders, holders_of_rank):
                 delta = supply[e0]
                 r_end = path[-1][1]
                 delta = min(delta, slack[r_end])
-                for e, r_in, r_out in _hops(path):
+                for e, r_in, _ in _hops(path):
                     if r_in is not None:
                         delta = min(delta, flow[e][r_in])
                 for e, r_in, r_out in _hops(path):
@@ -200,7 +200,7 @@ def assign_min_peak(
         for r in hs:
             holders_of_rank[r].append(e)
     local_D = np.where(hold, counts, 0) if S == R else np.zeros((E, R), np.int64)
-    base_l, cap_l = base.tolist(), cap.tolist()
+    cap_l = cap.tolist()
 
     def solve(P: int):
         """Flow from the local start at peak P, raising P until complete. Returns (P, flow)."""
