@@ -42,9 +42,11 @@ def _level_for(need: int, base: np.ndarray, cap: np.ndarray) -> int | None:
     return lo
 
 
-def _max_flow(flow, supply, slack, holders, holders_of_rank):
-    """Dinic's algorithm on the residual graph, in place on plain lists. Returns None when every
-    unit is placed, else (experts, ranks) reachable from unplaced units: the blocking set.
+def max_flow(flow, supply, slack, holders, holders_of_rank):
+    """Place ``supply[e]`` more rows of each expert on its holders within ``slack``: Dinic's
+    algorithm on the residual graph, in place on plain lists. Returns None when every unit is
+    placed, else (experts, ranks) reachable from unplaced units: the blocking set, whose ranks
+    are full and receive rows from those experts only.
 
     ``flow[e]`` maps holder rank → rows of e there; a forward edge e → r is unbounded, the
     residual edge r → e carries flow[e][r]; rank r has ``slack[r]`` left toward the sink.
@@ -211,7 +213,7 @@ def assign_min_peak(
         supply = (n_E - local.sum(1)).tolist()
         slack = (limit - local.sum(0)).tolist()
         while True:
-            blocked = _max_flow(flow, supply, slack, holder_lists, holders_of_rank)
+            blocked = max_flow(flow, supply, slack, holder_lists, holders_of_rank)
             if blocked is None:
                 return P, flow
             seen_e, seen_r = blocked

@@ -122,11 +122,13 @@ class BackwardConfig:
     quota (seeded); ``"local"`` each rank keeps its largest-remainder share of q_e by its own
     scores, no score exchange; ``"sampled"`` keep with probability ∝ score (floor ``p_min``),
     expected count q_e, kept contributions reweighted by 1/p (unbiased).
-    ``ratio``: the fixed-ratio quota q_e = min(c_e, max(1, ceil(ratio·c_e))).
+    ``ratio``: the fixed-ratio quota q_e = min(c_e, max(1, ceil(ratio·c_e))); 1 keeps every
+    pair (an exact backward). With a :class:`ClusterBudget` the controller's quotas apply,
+    capped by the ratio's.
     """
 
     selection: str = "lrm"
-    ratio: float = 0.5
+    ratio: float = 1.0
     seed: int = 0
     p_min: float = 0.01
 
@@ -137,3 +139,50 @@ class BackwardConfig:
         _fraction("p_min", self.p_min)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "expected an integer")
+
+
+def _per_rank(field: str, value: object, world: int, minimum: int) -> list[int] | None:
+    if value is None:
+        return None
+    values = [value] * world if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple)) or len(values) != world:
+        raise _bad(field, value, f"expected one int for all ranks or a list of {world} (one per rank)")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise _bad(field, value, f"expected integers >= {minimum}")
+    return list(values)
+
+
+@dataclass(frozen=True)
+class ClusterBudget:
+    """Per-rank budgets of an MoE layer's expert side (DESIGN.md "Controller").
+
+    ``memory_bytes``: expert slots (parameters + gradient buffers of owned experts and
+    replicas) plus token-row buffers, forward and backward. ``network_bytes``: optional bound
+    on the bytes a rank's expert side receives and returns in one backward (kept rows in,
+    their dx out). ``slots``: optional fixed number of expert slots per rank, which then takes
+    precedence over slots derived from memory. Each is one int for every rank or a list with
+    one per rank.
+    """
+
+    memory_bytes: int | list[int]
+    network_bytes: int | list[int] | None = None
+    slots: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("memory_bytes", 1), ("network_bytes", 1), ("slots", 1)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple)):
+                _per_rank(name, value, len(value), minimum)
+            else:
+                _per_rank(name, value, 1, minimum)
+
+    def per_rank(self, world: int) -> tuple[list[int], list[int] | None, list[int] | None]:
+        """(memory, network, slots) as one value per rank; lists must have ``world`` entries."""
+        return (
+            _per_rank("memory_bytes", self.memory_bytes, world, 1),
+            _per_rank("network_bytes", self.network_bytes, world, 1),
+            _per_rank("slots", self.slots, world, 1),
+        )

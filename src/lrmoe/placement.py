@@ -2,6 +2,11 @@
 
 Static placement spreads experts over ranks in contiguous blocks; when ``num_experts`` is not a
 multiple of the world size the first ``E mod W`` ranks hold one expert more (uneven ownership).
+Ownership never changes: the owner keeps the expert's parameters and optimizer state (SYMI's
+decoupling). Replicas are extra copies on other ranks, planned from smoothed load by
+:func:`plan_replicas`, refreshed from the owner after every optimizer step; their weight
+gradients are reduced to the owner. A rank's slots are its owned experts (ascending), then its
+replicas (ascending).
 """
 
 from __future__ import annotations
@@ -38,6 +43,31 @@ class Placement:
     def world(self) -> int:
         return len(self.slots)
 
+    def holders(self, expert: int) -> list[int]:
+        """Ranks holding a copy of ``expert``, ascending."""
+        return self.holder_lists[expert]
+
+    @cached_property
+    def holder_lists(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for r, experts in enumerate(self.slots):
+            for e in experts:
+                out[e].append(r)
+        return out
+
+    def replicas(self, rank: int) -> tuple[int, ...]:
+        """Experts ``rank`` holds a copy of without owning them, in slot order."""
+        return tuple(e for e in self.slots[rank] if int(self.owner_E[e]) != rank)
+
+    @property
+    def num_copies(self) -> int:
+        return sum(len(s) for s in self.slots)
+
+    def with_replicas(self, replicas: list[list[int]]) -> Placement:
+        """This placement's owners plus ``replicas[r]`` (experts) on each rank r."""
+        slots = tuple(self.owned(r) + tuple(sorted(replicas[r])) for r in range(self.world))
+        return Placement(self.num_experts, slots, self.owner_E)
+
     def owned(self, rank: int) -> tuple[int, ...]:
         """Experts whose parameters ``rank`` owns, ascending."""
         return tuple(e for e in self.slots[rank] if int(self.owner_E[e]) == rank)
@@ -63,3 +93,45 @@ class Placement:
         assign_ESR = torch.zeros(E, S, self.world, dtype=torch.long)
         assign_ESR.scatter_(2, self.owner_E.view(E, 1, 1).expand(E, S, 1), counts_SE.t().unsqueeze(-1))
         return assign_ESR
+
+
+def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int]) -> Placement:
+    """Replica placement from (smoothed) expert load: copies ∝ load, at least one per expert
+    (the owner's), at most ``slots_R[r]`` experts on rank r, min-peak.
+
+    Copies: each free slot in turn goes to the expert with the largest load per copy (D'Hondt,
+    ties to the lower expert id), never more copies than ranks. Placement: copies, heaviest
+    per-copy load first (LPT), go to the least-loaded rank with a free slot that does not hold
+    the expert yet; rank loads start from the owners' shares. Deterministic.
+    """
+    E, W = base.num_experts, base.world
+    load = [max(float(v), 0.0) for v in load_E.tolist()]
+    owned = [base.owned(r) for r in range(W)]
+    free = [slots_R[r] - len(owned[r]) for r in range(W)]
+    if any(f < 0 for f in free):
+        r = min(range(W), key=lambda r: free[r])
+        raise ValueError(f"rank {r} has {slots_R[r]} expert slots but owns {len(owned[r])} experts")
+    copies = [1] * E
+    for _ in range(sum(free)):
+        e = max(range(E), key=lambda e: (load[e] / copies[e] if copies[e] < W else -1.0, -e))
+        if copies[e] >= W or load[e] <= 0:
+            break
+        copies[e] += 1
+    rank_load = [0.0] * W
+    for r in range(W):
+        for e in owned[r]:
+            rank_load[r] += load[e] / copies[e]
+    units = sorted(((load[e] / copies[e], e) for e in range(E) for _ in range(copies[e] - 1)),
+                   key=lambda u: (-u[0], u[1]))
+    replicas: list[list[int]] = [[] for _ in range(W)]
+    holds = [set(owned[r]) for r in range(W)]
+    for share, e in units:
+        options = [r for r in range(W) if free[r] > 0 and e not in holds[r]]
+        if not options:
+            continue
+        r = min(options, key=lambda r: (rank_load[r], r))
+        replicas[r].append(e)
+        holds[r].add(e)
+        free[r] -= 1
+        rank_load[r] += share
+    return base.with_replicas(replicas)

@@ -1,0 +1,225 @@
+"""Budgets → expert slots, forward chunking, and per-expert backward quotas.
+
+Our formulation (the paper's exact one is not public), per rank r with memory budget M_r for
+the layer's expert side and dtype size s:
+
+- an expert slot (a copy's parameters plus its gradient buffer) costs ``2·3·D·F·s``;
+- the complete forward holds every received row's x and y (``2·D·s`` per row, plus 8 bytes of
+  ‖h‖² for the selective systems) and, per row being computed, gate, up, silu(gate) and h
+  (``4·F·s``): where all rows do not fit, they are computed in chunks that do;
+- a kept backward row holds dy, x and the recomputed gate, up, silu, h: ``(2·D + 4·F)·s``,
+  and replica gradients travel to owners through a buffer of one slot's parameters per replica.
+
+So rank r can keep ``cap_r = (M_r − slots − replica buffers) / ((2D + 4F)·s)`` backward rows,
+further bounded by the network budget N_r / (3·D·s) (dy and x in, dx out per kept row).
+
+Quotas are max–min fair: the largest common retention ratio ρ with q_e = q(ρ, c_e) (the fixed-
+ratio quota) such that the kept pairs can be spread over each expert's holders within every
+cap_r (a max-flow), found by progressive filling — a blocking set of experts whose holders are
+full gets the largest ratio their capacity allows and is frozen, the rest continue — then
+leftover capacity is filled. Deterministic and identical on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lrmoe.balance import max_flow
+from lrmoe.config import ClusterBudget, MoEConfig
+from lrmoe.placement import Placement
+
+# Share of the memory left after owned experts that a budget-derived plan may give to replicas.
+REPLICA_MEMORY_SHARE = 0.25
+H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """Expert-side bytes per slot and per row (DESIGN.md "Expert-side memory")."""
+
+    slot: int  # parameters + gradient buffer of one expert copy
+    slot_params: int  # parameters of one expert copy (replica refresh / gradient buffers)
+    fwd_io: int  # x received + y returned, per forward row
+    fwd_compute: int  # gate, up, silu(gate), h per row being computed
+    bwd_kept: int  # dy, x, gate, up, silu, h per kept backward row
+    bwd_wire: int  # dy and x in, dx out per kept row
+
+    @staticmethod
+    def of(config: MoEConfig, selective: bool = True) -> RowCosts:
+        s = torch.empty((), dtype=config.torch_dtype).element_size()
+        D, F = config.dim, config.ffn_dim
+        params = 3 * D * F * s
+        return RowCosts(
+            slot=2 * params, slot_params=params,
+            fwd_io=2 * D * s + (H_SQ_BYTES if selective else 0), fwd_compute=4 * F * s,
+            bwd_kept=(2 * D + 4 * F) * s, bwd_wire=3 * D * s,
+        )
+
+
+class Controller:
+    """Turns a :class:`ClusterBudget` into slots, forward chunks and backward quotas."""
+
+    def __init__(self, config: MoEConfig, budget: ClusterBudget, world: int) -> None:
+        self.config, self.budget, self.world = config, budget, world
+        self.memory_R, self.network_R, self.fixed_slots_R = budget.per_rank(world)
+        self.costs = RowCosts.of(config)
+
+    # ------------------------------------------------------------------ slots
+    def slots(self, base: Placement) -> list[int]:
+        """Expert slots per rank: the budget's fixed slots, or owned experts plus a share of the
+        remaining memory. Raises if a rank cannot hold one copy of each expert it owns."""
+        out = []
+        for r in range(self.world):
+            owned = len(base.owned(r))
+            need = owned * self.costs.slot
+            if self.memory_R[r] < need:
+                raise ValueError(
+                    f"memory budget too small: rank {r} has {self.memory_R[r]} bytes, its {owned} owned "
+                    f"experts need {need} (parameters + gradients, {self.costs.slot} bytes each)"
+                )
+            if self.fixed_slots_R is not None:
+                slots = self.fixed_slots_R[r]
+            else:
+                spare = (self.memory_R[r] - need) * REPLICA_MEMORY_SHARE
+                slots = owned + int(spare // self.costs.slot)
+            out.append(min(max(slots, owned), self.config.num_experts))
+        return out
+
+    def _slot_bytes(self, placement: Placement, r: int) -> int:
+        copies = len(placement.slots[r])
+        replicas = len(placement.replicas(r))
+        # copies' parameters + gradients, and the buffer replica gradients leave through
+        return copies * self.costs.slot + replicas * self.costs.slot_params
+
+    def check_slots(self, placement: Placement) -> None:
+        for r in range(self.world):
+            used = self._slot_bytes(placement, r)
+            if used > self.memory_R[r]:
+                raise ValueError(
+                    f"memory budget too small: rank {r} has {self.memory_R[r]} bytes, its "
+                    f"{len(placement.slots[r])} expert slots need {used}"
+                )
+
+    # ------------------------------------------------------------------ forward
+    def forward_chunk_rows(self, placement: Placement, rank: int, recv_rows: int) -> int:
+        """Rows the complete forward may compute at once on ``rank`` within its budget."""
+        room = self.memory_R[rank] - self._slot_bytes(placement, rank) - recv_rows * self.costs.fwd_io
+        chunk = room // self.costs.fwd_compute
+        if recv_rows and chunk < 1:
+            raise ValueError(
+                f"memory budget too small for the complete forward: rank {rank} has "
+                f"{self.memory_R[rank]} bytes, its slots take {self._slot_bytes(placement, rank)} and its "
+                f"{recv_rows} received rows {recv_rows * self.costs.fwd_io} (x and y), leaving "
+                f"{max(room, 0)} for computing; one row needs {self.costs.fwd_compute}"
+            )
+        return int(max(min(chunk, recv_rows), 1))
+
+    # ------------------------------------------------------------------ backward
+    def kept_capacity(self, placement: Placement) -> list[int]:
+        """Backward rows each rank can keep within its memory (and network) budget."""
+        caps = []
+        for r in range(self.world):
+            room = self.memory_R[r] - self._slot_bytes(placement, r)
+            cap = max(room, 0) // self.costs.bwd_kept
+            if self.network_R is not None:
+                cap = min(cap, self.network_R[r] // self.costs.bwd_wire)
+            caps.append(int(cap))
+        return caps
+
+    def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None = None
+               ) -> torch.Tensor:
+        """Max–min fair quotas (int64, E) for the global per-expert counts of one call."""
+        cap_R = self.kept_capacity(placement) if cap_R is None else cap_R
+        return max_min_quotas(counts_E, placement.holder_lists, cap_R)
+
+
+def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list[int]) -> torch.Tensor:
+    """Max–min fair quotas by progressive filling, then leftover capacity filled.
+
+    Each round looks for the largest ratio ρ at which every unfrozen expert can keep
+    q(ρ, c_e) pairs (frozen ones keeping theirs). From ρ = 1 it runs a max-flow; a blocked
+    flow names a set A of experts whose holders N(A) are full and serve A alone, so any
+    feasible ρ satisfies Σ_{A} q ≤ cap(N(A)): ρ drops to the largest value meeting that and
+    the flow is tried again. Every ρ tried bounds the answer from above, so the first feasible
+    one is the round's ρ; the last blocking set is tight there and its unfrozen experts freeze.
+    Every expert with pairs keeps at least one; a capacity too small for that is an error.
+    """
+    counts = counts_E.to(torch.long)
+    c = counts.numpy()
+    E, R = counts.numel(), len(cap_R)
+    holders_of_rank: list[list[int]] = [[] for _ in range(R)]
+    for e, hs in enumerate(holders):
+        for r in hs:
+            holders_of_rank[r].append(e)
+
+    # One flow, carried across every trial: lowering a target hands rows back (highest rank
+    # first), raising it adds supply; the max-flow resumes from there.
+    flow = [dict.fromkeys(hs, 0) for hs in holders]
+    slack = list(cap_R)
+
+    def place(target: np.ndarray):
+        supply = []
+        for e, f in enumerate(flow):
+            excess = sum(f.values()) - int(target[e])
+            for r in sorted(f, reverse=True):
+                if excess <= 0:
+                    break
+                k = min(excess, f[r])
+                f[r] -= k
+                slack[r] += k
+                excess -= k
+            supply.append(max(-excess, 0))
+        return max_flow(flow, supply, slack, holders, holders_of_rank)
+
+    frozen = np.zeros(E, bool)
+    target = c.copy()
+    while True:
+        rho, tight = 1.0, None
+        while True:
+            trial = np.where(frozen, target, _quota(c, rho))
+            blocked = place(trial)
+            if blocked is None:
+                break
+            seen_e, seen_r = blocked
+            seen = np.zeros(E, bool)
+            seen[seen_e] = True
+            active = seen & ~frozen
+            room = sum(cap_R[r] for r in seen_r) - int(target[seen & frozen].sum())
+            if not active.any() or int(_quota(c[active], 0.0).sum()) > room:
+                raise ValueError(
+                    f"budget too small to keep one pair of every expert with tokens: experts {seen_e} "
+                    f"need at least {int(np.where(frozen, target, _quota(c, 0.0))[seen].sum())} kept rows, "
+                    f"their holders {seen_r} can keep {sum(cap_R[r] for r in seen_r)}"
+                )
+            rho, tight = _largest_ratio(c[active], room), active
+        if tight is None:
+            target = trial
+            break
+        target = np.where(tight, _quota(c, rho), target)
+        frozen |= tight
+    # leftover capacity: frozen experts take what their holders still have room for
+    max_flow(flow, (c - target).tolist(), slack, holders, holders_of_rank)
+    return torch.tensor([sum(f.values()) for f in flow], dtype=torch.long)
+
+
+def _quota(c: np.ndarray, rho: float) -> np.ndarray:
+    """The fixed-ratio quota of DESIGN.md, vectorised in numpy (see selection.fixed_ratio_quota)."""
+    q = np.minimum(np.maximum(np.ceil(rho * c.astype(np.float64) - 1e-6), 1.0), c)
+    return np.where(c > 0, q, 0).astype(np.int64)
+
+
+def _largest_ratio(c: np.ndarray, room: int) -> float:
+    """Largest ρ in [0, 1] with Σ q(ρ, c_e) ≤ room; 0 if none."""
+    if int(_quota(c, 1.0).sum()) <= room:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # q(ρ) is a step function; 50 halvings resolve every step
+        mid = 0.5 * (lo + hi)
+        if int(_quota(c, mid).sum()) <= room:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,85 @@
+"""Replica copies of other ranks' experts: refreshed from owners, gradients reduced to owners.
+
+Owners keep parameters and optimizer state; a replica is a plain buffer (not a parameter, not
+in the state dict) that receives the owner's current weights after each optimizer step or
+re-placement, and whose weight gradient is sent back and added to the owner's gradient in the
+backward of the layer call that produced it. One expert travels as one row of 3·D·F values
+(gate_up then down, flattened).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lrmoe import comm
+from lrmoe.comm import Group, WireCounter
+from lrmoe.placement import Placement
+
+
+def _flat(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gate_up.reshape(gate_up.shape[0], -1), down.reshape(down.shape[0], -1)], dim=1)
+
+
+class Replicas(nn.Module):
+    """This rank's replica weights, in its replica slot order (ascending expert id)."""
+
+    def __init__(self, dim: int, ffn_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.ffn_dim = dim, ffn_dim
+        self.register_buffer("gate_up_proj", torch.empty(0, 2 * ffn_dim, dim, dtype=dtype), persistent=False)
+        self.register_buffer("down_proj", torch.empty(0, dim, ffn_dim, dtype=dtype), persistent=False)
+        self.experts: tuple[int, ...] = ()
+
+    def _unflat(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, D, F = rows.shape[0], self.dim, self.ffn_dim
+        return rows[:, : 2 * F * D].reshape(n, 2 * F, D), rows[:, 2 * F * D :].reshape(n, D, F)
+
+    @torch.no_grad()
+    def refresh(self, gate_up: torch.Tensor, down: torch.Tensor, placement: Placement, rank: int,
+                group: Group) -> int:
+        """Fetch every replica this rank holds from its owner (collective). Returns the bytes this
+        rank sent."""
+        W = placement.world
+        owned = placement.owned(rank)
+        sends = [[e for e in placement.replicas(d) if int(placement.owner_E[e]) == rank] for d in range(W)]
+        rows = [owned.index(e) for d in range(W) for e in sends[d]]
+        send = _flat(gate_up, down)[rows] if rows else gate_up.new_empty(0, 3 * self.dim * self.ffn_dim)
+        mine = placement.replicas(rank)
+        by_source = [[e for e in mine if int(placement.owner_E[e]) == s] for s in range(W)]
+        wire = WireCounter()
+        recv = comm.all_to_all(send, [len(s) for s in sends], [len(s) for s in by_source], group, wire)
+        order = [mine.index(e) for s in range(W) for e in by_source[s]]
+        flat = torch.empty_like(recv)
+        flat[order] = recv
+        self.gate_up_proj, self.down_proj = (t.contiguous() for t in self._unflat(flat))
+        self.experts = mine
+        return wire.sent
+
+    def load_from_full(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, placement: Placement,
+                       rank: int) -> None:
+        """Fill replicas from world-size-1 tensors every rank has (no communication)."""
+        mine = list(placement.replicas(rank))
+        self.gate_up_proj = full_gate_up[mine].clone().to(self.gate_up_proj.dtype)
+        self.down_proj = full_down[mine].clone().to(self.down_proj.dtype)
+        self.experts = tuple(mine)
+
+    def reduce_grads(
+        self, dgate_up: torch.Tensor, ddown: torch.Tensor, placement: Placement, rank: int, group: Group,
+        wire: WireCounter,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send replica-slot gradients to owners; return the gradients this rank's owned experts
+        receive from others' replicas (zeros where none), shaped like the owned weights."""
+        W = placement.world
+        mine = placement.replicas(rank)
+        to_owner = [[e for e in mine if int(placement.owner_E[e]) == d] for d in range(W)]
+        rows = [mine.index(e) for d in range(W) for e in to_owner[d]]
+        send = _flat(dgate_up, ddown)[rows]
+        owned = placement.owned(rank)
+        from_src = [[e for e in placement.replicas(s) if int(placement.owner_E[e]) == rank] for s in range(W)]
+        recv = comm.all_to_all(send, [len(x) for x in to_owner], [len(x) for x in from_src], group, wire)
+        acc = recv.new_zeros(len(owned), recv.shape[1])
+        idx = torch.tensor([owned.index(e) for s in range(W) for e in from_src[s]], dtype=torch.long)
+        if len(idx):
+            acc.index_add_(0, idx.to(acc.device), recv)
+        return self._unflat(acc)
