@@ -1,7 +1,8 @@
 """lrmoe: Mixture-of-Experts training with expert parallelism and the LRMoE backward."""
 
-from lrmoe.config import BackwardConfig, MoEConfig
+from lrmoe.balance import assign_min_peak
+from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.layer import SYSTEMS, MoELayer
 
-__all__ = ["BackwardConfig", "MoEConfig", "MoELayer", "SYSTEMS"]
+__all__ = ["BackwardConfig", "ClusterBudget", "MoEConfig", "MoELayer", "SYSTEMS", "assign_min_peak"]
 __version__ = "0.1.0"

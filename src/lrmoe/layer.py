@@ -321,7 +321,7 @@ def _routed_backward(
     dx_TD = torch.zeros_like(x_TD)
     dx_TD.index_add_(0, tok_N, dx_home_ND)
     L = gate_up.shape[0]
-    if len(layer.replicas.experts):  # replica gradients go to their owners
+    if layer.placement.num_copies > layer.config.num_experts:  # replica gradients go to owners (collective)
         meter.hold(dgate_up[L:], ddown[L:])  # the send buffer
         add_gu, add_down = layer.replicas.reduce_grads(dgate_up[L:], ddown[L:], layer.placement, layer.rank,
                                                        layer.group, wire)

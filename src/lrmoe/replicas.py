@@ -9,6 +9,8 @@ backward of the layer call that produced it. One expert travels as one row of 3Â
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -18,7 +20,9 @@ from lrmoe.placement import Placement
 
 
 def _flat(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return torch.cat([gate_up.reshape(gate_up.shape[0], -1), down.reshape(down.shape[0], -1)], dim=1)
+    n = gate_up.shape[0]
+    return torch.cat([gate_up.reshape(n, math.prod(gate_up.shape[1:])),
+                      down.reshape(n, math.prod(down.shape[1:]))], dim=1)
 
 
 class Replicas(nn.Module):
@@ -44,7 +48,7 @@ class Replicas(nn.Module):
         owned = placement.owned(rank)
         sends = [[e for e in placement.replicas(d) if int(placement.owner_E[e]) == rank] for d in range(W)]
         rows = [owned.index(e) for d in range(W) for e in sends[d]]
-        send = _flat(gate_up, down)[rows] if rows else gate_up.new_empty(0, 3 * self.dim * self.ffn_dim)
+        send = _flat(gate_up, down)[rows]
         mine = placement.replicas(rank)
         by_source = [[e for e in mine if int(placement.owner_E[e]) == s] for s in range(W)]
         wire = WireCounter()

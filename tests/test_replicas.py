@@ -1,0 +1,278 @@
+"""Replicated expert parallelism (symi, budgeted lrmoe), the controller, capacity dropping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
+from lrmoe.controller import Controller, RowCosts, max_min_quotas
+from lrmoe.placement import Placement, plan_replicas
+from tests.reference import reference_grads
+from tests.test_layer import close, make_problem, split_tokens
+
+CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
+
+
+def skewed_tokens(cfg, n, seed, skew):
+    """Inputs whose routing is skewed: 'hot' pushes most tokens to expert 0."""
+    sd, x, g = make_problem(cfg, n, seed, "none")
+    if skew == "hot":
+        u = torch.ones(cfg.dim) / cfg.dim**0.5
+        x = x + 2.0 * u
+        sd["router.weight"][0] = 4.0 * u
+    return sd, x, g
+
+
+def replicated_case(group, system, steps, skew, budget_bytes=None):
+    """Run ``steps`` optimizer-free iterations (step_end between them, placement re-planned)
+    and compare every call with the dense reference and the static system."""
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 40, 3, skew)
+    sizes = split_tokens(40, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    kwargs = {}
+    if budget_bytes is not None:
+        kwargs = dict(budget=ClusterBudget(budget_bytes), replan_interval=1)
+    layer = MoELayer(cfg, system=system, group=group, **kwargs)
+    layer.load_full_state_dict(sd)
+    static = MoELayer(cfg, group=group)
+    static.load_full_state_dict(sd)
+    holders_seen = []
+    for _ in range(steps):
+        for lay in (layer, static):
+            lay.zero_grad()
+        xs = x[lo:hi].clone().requires_grad_(True)
+        out = layer(xs)
+        out.backward(g[lo:hi])
+        xr = x[lo:hi].clone().requires_grad_(True)
+        static(xr).backward(g[lo:hi])
+        ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg)
+        close("out", out.detach(), ref_out[lo:hi])
+        close("dx", xs.grad, ref_dx[lo:hi])
+        grads = layer.gather_full_grads()
+        sgrads = static.gather_full_grads()
+        for name, want in ref_grads.items():
+            close(f"grad {name}", grads[name], want)
+            close(f"vs static {name}", grads[name], sgrads[name], atol=1e-5)
+        if budget_bytes is not None:
+            assert layer.last_stats["peak_expert_side_bytes"] <= budget_bytes
+            assert torch.equal(layer.last_stats["kept_E"], layer.last_stats["counts_E"])
+        holders_seen.append([list(h) for h in layer.placement.holder_lists])
+        layer.step_end()
+        static.step_end()
+    return holders_seen, layer.last_stats.get("placement_bytes", 0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("skew", ["none", "hot"])
+def test_symi_equals_static_and_reference(pool, world, skew):
+    res = pool.run(world, replicated_case, "symi", 3, skew)
+    holders = res[0][0]
+    assert any(len(h) > 1 for h in holders[-1]), "symi holds replicas"
+    if skew == "hot":
+        assert len(holders[-1][0]) > 1, "the hot expert gets replicated"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_budgeted_lrmoe_with_ample_budget_is_exact(pool, world):
+    res = pool.run(world, replicated_case, "lrmoe", 2, "hot", 50_000_000)
+    assert any(len(h) > 1 for h in res[0][0][-1])
+
+
+def test_replica_planner():
+    base = Placement.static(8, 4)
+    load = torch.tensor([100.0, 1, 1, 1, 1, 1, 1, 1])
+    p = plan_replicas(base, load, [3, 3, 3, 3])
+    assert len(p.holders(0)) == 4, "the hot expert is copied to every rank"
+    assert all(len(s) <= 3 for s in p.slots)
+    assert all(p.owned(r) == base.owned(r) for r in range(4)), "ownership never moves"
+    assert p.slots[0][:2] == (0, 1) and p.replicas(0) == tuple(sorted(p.replicas(0)))
+    with pytest.raises(ValueError, match="owns"):
+        plan_replicas(base, load, [1, 3, 3, 3])
+
+
+# ------------------------------------------------------------------- controller
+
+
+def test_max_min_quotas_properties():
+    counts = torch.tensor([100, 50, 10, 0, 40])
+    holders = [[0], [0, 1], [1], [1], [2]]
+    q = max_min_quotas(counts, holders, [60, 30, 100])
+    assert (q <= counts).all() and q[3] == 0
+    assert q[4] == 40, "an expert on an idle rank keeps everything"
+    assert int(q[:3].sum()) == 90, "the bottleneck ranks are filled"
+    ratios = q[:3].double() / counts[:3].double()
+    assert ratios.max() - ratios.min() < 0.05, "max-min fair: one ratio for the bottleneck"
+    # ample capacity: exact
+    assert torch.equal(max_min_quotas(counts, holders, [1000] * 3), counts)
+    # monotone in capacity
+    prev = torch.zeros(5, dtype=torch.long)
+    for cap in (10, 20, 40, 80, 160, 320):
+        q = max_min_quotas(counts, holders, [cap] * 3)
+        assert (q >= prev).all()
+        prev = q
+    with pytest.raises(ValueError, match="one pair of every expert"):
+        max_min_quotas(counts, holders, [1, 0, 5])
+
+
+def test_controller_budget_errors():
+    cfg = MoEConfig(**CFG)
+    slot = RowCosts.of(cfg).slot
+    with pytest.raises(ValueError, match="memory budget too small"):
+        Controller(cfg, ClusterBudget(slot), 2).slots(Placement.static(8, 2))
+    with pytest.raises(ValueError, match="memory_bytes"):
+        ClusterBudget(0)
+    with pytest.raises(ValueError, match="slots"):
+        ClusterBudget(10**6, slots=[1, 0])
+    with pytest.raises(ValueError, match="budget"):
+        MoELayer(cfg, system="static", budget=ClusterBudget(10**6))
+
+
+def budget_case(group, fraction):
+    """lrmoe with a budget of ``fraction`` x static's peak: quotas, memory, gradients."""
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    n = 512  # enough rows that token buffers, not parameters, dominate the static peak
+    sd, x, g = skewed_tokens(cfg, n, 5, "hot")
+    lo, hi = rank * n // world, (rank + 1) * n // world
+    static = MoELayer(cfg, group=group)
+    static.load_full_state_dict(sd)
+    static(x[lo:hi].clone().requires_grad_(True)).backward(g[lo:hi])
+    peak = comm.all_reduce_sum(torch.tensor(static.last_stats["peak_expert_side_bytes"]), group)
+    budget = int(fraction * int(peak) / world)  # a fraction of the mean static peak, every rank
+    layer = MoELayer(cfg, system="lrmoe", group=group, budget=ClusterBudget(budget))
+    layer.load_full_state_dict(sd)
+    xs = x[lo:hi].clone().requires_grad_(True)
+    layer(xs).backward(g[lo:hi])
+    s = layer.last_stats
+    assert s["peak_expert_side_bytes"] <= budget, (s["peak_expert_side_bytes"], budget)
+    assert (s["quota_E"] <= s["counts_E"]).all()
+    assert torch.equal(s["kept_E"], s["quota_E"])
+    # the gradients are those of the dense reference with exactly the kept pairs
+    keep = torch.cat(comm_gather_bool(layer.last_kept, group))
+    ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep)
+    close("dx", xs.grad, ref_dx[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, want in ref_grads.items():
+        close(f"grad {name}", grads[name], want)
+    return int(s["kept_E"].sum()), int(s["counts_E"].sum()), s["forward_pairs_computed"]
+
+
+def comm_gather_bool(mask: torch.Tensor, group) -> list[torch.Tensor]:
+    world = comm.world_size(group)
+    sizes = comm.all_gather(torch.tensor([[mask.shape[0]]]), [1] * world, group).flatten().tolist()
+    full = comm.all_gather(mask.to(torch.uint8), sizes, group).bool()
+    return list(full.split(sizes))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_budget_respected_and_quotas_monotone(pool, world):
+    kept = [sum(r[0] for r in pool.run(world, budget_case, f)) / world for f in (0.45, 0.7, 2.0)]
+    total = pool.run(world, budget_case, 2.0)[0][1]
+    assert kept[0] <= kept[1] <= kept[2], kept
+    assert kept[2] == total, "ample budget keeps every pair"
+    assert kept[0] < total, "a tight budget trims the backward"
+
+
+# ------------------------------------------------------------------- skewed workloads
+
+
+def skew_case(group, system, pattern):
+    cfg = MoEConfig(**CFG)
+    rank = comm.rank_of(group)
+    torch.manual_seed(0)
+    sd = MoELayer(cfg).state_dict()
+    budget = 400_000
+    kw = dict(budget=ClusterBudget(budget), replan_interval=1) if system == "lrmoe" else {}
+    layer = MoELayer(cfg, system=system, group=group, **kw)
+    layer.load_full_state_dict(sd)
+    peaks, rows = [], []
+    for step in range(3):
+        n = 16
+        if pattern == "empty-rank" and rank == 1:
+            n = 0
+        elif pattern == "hot-rank" and rank == 0:
+            n = 48
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(n, cfg.dim, generator=gen)
+        if pattern in ("hot-expert", "moving", "one-expert"):
+            hot = step % cfg.num_experts if pattern == "moving" else 0
+            with torch.no_grad():
+                layer.router.weight[hot] = 6.0 * torch.ones(cfg.dim) / cfg.dim**0.5
+                if pattern == "one-expert":
+                    layer.router.weight[[e for e in range(8) if e != hot]] = -6.0 / cfg.dim**0.5
+            x = x + 2.0 / cfg.dim**0.5
+        x.requires_grad_(True)
+        out = layer(x)
+        out.backward(torch.randn_like(out))
+        assert torch.isfinite(x.grad).all()
+        if system == "lrmoe":
+            assert layer.last_stats["peak_expert_side_bytes"] <= budget
+        peaks.append(layer.last_stats["peak_expert_side_bytes"])
+        rows.append(layer.last_stats["recv_rows"])
+        layer.step_end()
+    return max(peaks), max(rows)
+
+
+@pytest.mark.parametrize("system", ["lrmoe", "symi", "capacity"])
+@pytest.mark.parametrize("pattern", ["hot-expert", "hot-rank", "empty-rank", "moving", "one-expert"])
+def test_skewed_workloads(pool, system, pattern):
+    res = pool.run(4, skew_case, system, pattern)
+    assert all(peak > 0 for peak, _ in res)
+
+
+# ------------------------------------------------------------------- capacity factor
+
+
+def capacity_case(group, factor):
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 48, 7, "hot")
+    lo, hi = rank * 48 // world, (rank + 1) * 48 // world
+    layer = MoELayer(cfg, system="capacity", group=group, capacity_factor=factor)
+    layer.load_full_state_dict(sd)
+    xs = x[lo:hi].clone().requires_grad_(True)
+    out = layer(xs)
+    out.backward(g[lo:hi])
+    # reference: every expert keeps its ceil(C·P/E) most probable pairs, dropped pairs vanish
+    # from both passes (router weight included)
+    with torch.no_grad():
+        from tests.reference import route
+
+        w, ids = route(x, {k: v for k, v in sd.items()}, cfg)
+    cap = int(torch.tensor(factor * ids.numel() / cfg.num_experts).ceil())
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    for e in range(cfg.num_experts):
+        where = (ids == e).nonzero()
+        order = torch.argsort(w[where[:, 0], where[:, 1]].double(), descending=True, stable=True)
+        top = where[order[:cap]]
+        keep[top[:, 0], top[:, 1]] = True
+    assert torch.equal(layer.last_kept, keep[lo:hi])
+    params = {k: v.detach().clone().requires_grad_("bias" not in k) for k, v in sd.items()}
+    xr = x.clone().requires_grad_(True)
+    ref = _dropped_reference(xr, params, cfg, keep)
+    ref.backward(g)
+    close("out", out.detach(), ref.detach()[lo:hi])
+    close("dx", xs.grad, xr.grad[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, p in params.items():
+        if p.requires_grad:
+            close(f"grad {name}", grads[name], p.grad)
+    return int(keep[lo:hi].sum())
+
+
+def _dropped_reference(x, params, cfg, keep):
+    from tests.reference import expert_outputs, route
+
+    w, ids = route(x, params, cfg)
+    y, _ = expert_outputs(x, params)
+    t = torch.arange(x.shape[0]).unsqueeze(1).expand_as(ids)
+    return (w.unsqueeze(-1) * y[ids, t] * keep.unsqueeze(-1)).sum(1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_capacity_factor_drops_in_both_passes(pool, world):
+    kept = sum(pool.run(world, capacity_case, 1.0))
+    assert kept < 48 * 2
