@@ -276,3 +276,43 @@ def _dropped_reference(x, params, cfg, keep):
 def test_capacity_factor_drops_in_both_passes(pool, world):
     kept = sum(pool.run(world, capacity_case, 1.0))
     assert kept < 48 * 2
+
+
+def placement_bytes_case(group):
+    """A refresh sends each replica's parameters once from its owner: count them independently."""
+    cfg = MoEConfig(**CFG)
+    rank = comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 32, 2, "hot")
+    layer = MoELayer(cfg, system="symi", group=group)
+    layer.load_full_state_dict(sd)
+    layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+    layer.step_end()  # symi re-plans and refreshes every step
+    p = layer.placement
+    mine = sum(1 for r in range(p.world) for e in p.replicas(r) if int(p.owner_E[e]) == rank)
+    layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+    assert layer.last_stats["placement_bytes"] == mine * 3 * cfg.dim * cfg.ffn_dim * 4
+    return mine
+
+
+def test_placement_bytes_counted(pool):
+    assert sum(pool.run(4, placement_bytes_case)) > 0
+
+
+def network_case(group, network_bytes):
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 256, 4, "none")
+    lo, hi = rank * 256 // world, (rank + 1) * 256 // world
+    layer = MoELayer(cfg, system="lrmoe", group=group,
+                     budget=ClusterBudget(50_000_000, network_bytes=network_bytes))
+    layer.load_full_state_dict(sd)
+    layer(x[lo:hi]).backward(g[lo:hi])
+    per_row = 3 * cfg.dim * 4  # dy and x in, dx out
+    assert layer.last_stats["bwd_gemm_rows"] * per_row <= network_bytes
+    return int(layer.last_stats["kept_E"].sum())
+
+
+def test_network_budget_bounds_kept_rows(pool):
+    tight = pool.run(2, network_case, 40 * 3 * 16 * 4)[0]
+    loose = pool.run(2, network_case, 10**9)[0]
+    assert tight < loose == 512
