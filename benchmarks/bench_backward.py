@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from common import print_table, time_rows, write_json
+from common import print_table, run_ranks, time_rows, write_json
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer, comm
 
@@ -54,31 +51,6 @@ def measure(group, args: argparse.Namespace) -> dict[str, dict[str, float]]:
                      lambda name, layer: {k: layer.last_stats[k] for k in STAT_FIGURES})
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        queue.put((rank, measure(dist.group.WORLD, args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(args: argparse.Namespace) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"rank exited with code {p.exitcode}")
-    return [results[r] for r in range(args.world)]
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=1, help="gloo ranks (1: this process, no group)")
@@ -95,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--world={args.world} is invalid: expected an integer >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    per_rank = [measure(None, args)] if args.world == 1 else run_world(args)
+    per_rank = [measure(None, args)] if args.world == 1 else run_ranks(measure, args.world, args)
     rows = {}
     for name in ROWS:
         timed = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "select_ms")

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from common import print_table, write_json
+from common import print_table, run_ranks, write_json
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
 
@@ -94,14 +91,6 @@ def measure(group, args) -> dict:
     return out
 
 
-def _worker(rank, world, port, args, queue):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        queue.put((rank, measure(dist.group.WORLD, args)))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=4)
@@ -121,18 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.budget_fraction > 0:
         ap.error(f"--budget-fraction={args.budget_fraction} is invalid: expected a number > 0")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-    ranks = [per_rank[r] for r in range(args.world)]
+    ranks = run_ranks(measure, args.world, args)
 
     rows = {}
     for system in SYSTEMS:

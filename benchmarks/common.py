@@ -71,3 +71,36 @@ def write_json(path: str | None, rows: dict) -> None:
         with open(path, "w") as f:
             json.dump(rows, f, indent=2)
         print(f"wrote {path}")
+
+
+def _rank_worker(rank: int, world: int, port: int, fn, args, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        queue.put((rank, fn(dist.group.WORLD, args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, args) -> list:
+    """Run ``fn(group, args)`` on ``world`` gloo ranks spawned on localhost; results by rank.
+    ``fn`` must be a module-level function (it is pickled into the spawned processes)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"a rank exited with code {p.exitcode}")
+    return [results[r] for r in range(world)]
