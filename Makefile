@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python benchmarks/bench_layer.py
+	$(BIN)/lrmoe compare --config configs/demo.toml --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

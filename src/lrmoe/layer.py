@@ -474,6 +474,23 @@ class MoELayer(nn.Module):
             self._replan()
         self._refresh_replicas()
 
+    def train_state(self) -> dict:
+        """What a checkpoint needs beyond the state dict to resume exactly: load statistics,
+        step and selection counters, and the replica placement."""
+        return {"load_E": self._load_E.clone(), "steps": self._steps, "backward_calls": self._backward_calls,
+                "slots": [list(s) for s in self.placement.slots]}
+
+    def load_train_state(self, state: dict) -> None:
+        self._load_E = state["load_E"].clone()
+        self._steps, self._backward_calls = int(state["steps"]), int(state["backward_calls"])
+        slots = [tuple(s) for s in state["slots"]]
+        if self._slots_R is not None:
+            replicas = [[e for e in s if int(self.base_placement.owner_E[e]) != r] for r, s in enumerate(slots)]
+            self.placement = self.base_placement.with_replicas(replicas)
+            if self.controller is not None:
+                self._kept_cap = self.controller.kept_capacity(self.placement)
+            self._stale = True  # refetched from the owners at the next forward
+
     def _selection_generator(self) -> torch.Generator:
         """A fresh stream per backward call and rank, reproducible from the config's seed."""
         self._backward_calls += 1

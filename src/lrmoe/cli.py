@@ -1,0 +1,142 @@
+"""``lrmoe train | compare``: the command line.
+
+    lrmoe train   --config FILE [--system NAME] [--nproc N] [--ep-size E] [--out DIR] [--resume]
+                  [--steps N] [--data PATH]
+    lrmoe compare --config FILE [--systems a,b,c] [--out DIR] [--nproc N] [--steps N] [--data PATH]
+
+Ranks are launched through ``torch.distributed.run`` (gloo on CPU). A user error (bad config,
+missing data) exits with status 2 and one line on stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lrmoe.train.config import ConfigError, RunConfig, dump_toml, load
+from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
+
+
+class UserError(Exception):
+    pass
+
+
+def _common(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", required=True, help="TOML file (see configs/)")
+    ap.add_argument("--nproc", type=int, help="ranks to launch (overrides train.nproc)")
+    ap.add_argument("--ep-size", type=int, help="ranks per expert-parallel group (default: all)")
+    ap.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
+    ap.add_argument("--data", help="a text file or a folder of text files (default: the built-in corpus)")
+    ap.add_argument("--out", help="output folder")
+
+
+def _resolve(args) -> RunConfig:
+    cfg = load(args.config)
+    overrides = {k: v for k, v in (("nproc", args.nproc), ("ep_size", args.ep_size), ("steps", args.steps),
+                                   ("data", args.data), ("system", getattr(args, "system", None)))
+                 if v is not None}
+    try:
+        cfg = cfg.with_train(**overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.train.data != DEFAULT_CORPUS:
+        read_corpus(cfg.train.data)  # a missing path or empty text fails here, before any rank starts
+    return cfg
+
+
+def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | None = None,
+           stop_at: float | None = None, eval_at: tuple[int, ...] = ()) -> dict:
+    """Write the resolved config to ``out/config.toml`` and run its ranks; returns the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.toml"
+    config_path.write_text(dump_toml(cfg.to_dict()))
+    worker = ["--config", str(config_path), "--out", str(out)]
+    if resume:
+        worker.append("--resume")
+    if max_steps:
+        worker += ["--max-steps", str(max_steps)]
+    if stop_at is not None:
+        worker += ["--stop-at", repr(stop_at)]
+    if eval_at:
+        worker += ["--eval-at", *map(str, eval_at)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.train.nproc}",
+           "-m", "lrmoe.train.worker", *worker]
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode:
+        raise SystemExit(f"lrmoe: training ranks failed (exit {proc.returncode}); see the log above")
+    return json.loads((out / "summary.json").read_text())
+
+
+def cmd_train(args) -> None:
+    cfg = _resolve(args)
+    out = Path(args.out or f"runs/{cfg.train.system}")
+    summary = launch(cfg, out, resume=args.resume)
+    val = summary["val"][-1][1] if summary["val"] else float("nan")
+    print(f"trained {summary['steps']} steps of {cfg.train.system}: validation loss {val:.4f} "
+          f"(unigram {summary['unigram_loss']:.4f}), MoE time {summary['moe_time_s']:.2f} s; results in {out}/")
+
+
+def cmd_compare(args) -> None:
+    from lrmoe.train import compare
+
+    cfg = _resolve(args)
+    systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
+    for name in systems:
+        compare.system_config(cfg, name)  # validate every name before running anything
+    out = Path(args.out or "runs/compare")
+    steps, target_step, max_steps = compare.budget_steps(cfg)
+    static_name = "static"
+    print(f"lrmoe compare: {', '.join(systems)}; static runs {steps} steps, target at step {target_step}, "
+          f"the others up to {max_steps}", flush=True)
+    summary = launch(compare.system_config(cfg, static_name), out / static_name, eval_at=(target_step,))
+    target = cfg.compare.target_loss or compare.target_from_static(out / static_name, target_step)
+    for name in systems:
+        if name == static_name:
+            continue
+        print(f"-- {name}", flush=True)
+        launch(compare.system_config(cfg, name), out / name, max_steps=max_steps, stop_at=target)
+    names = [static_name] + [n for n in systems if n != static_name]
+    results = {name: compare.summarise(name, out / name, target) for name in names}
+    doc = {"target_loss": target, "unigram_loss": summary["unigram_loss"],
+           "systems": {n: {k: r[k] for k in compare.RESULT_KEYS} for n, r in results.items()},
+           "details": results}
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    (out / "config.toml").write_text(dump_toml(cfg.to_dict()))
+    print(compare.report(out, target, summary["unigram_loss"], results))
+    compare.plots(out, names, target)
+    print(f"report: {out}/report.md  plots: {out}/val_loss_vs_moe_time.png, kept_ratio.png, expert_load.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="lrmoe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="train one system")
+    _common(tr)
+    tr.add_argument("--system", help="overrides train.system")
+    tr.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in --out")
+    tr.set_defaults(fn=cmd_train)
+    cp = sub.add_parser("compare", help="time to a target loss, system by system")
+    _common(cp)
+    cp.add_argument("--systems", help="comma-separated, e.g. static,symi,lrmoe@0.5 (overrides compare.systems)")
+    cp.set_defaults(fn=cmd_compare)
+    args = ap.parse_args(argv)
+    for name in ("nproc", "ep_size", "steps"):
+        v = getattr(args, name, None)
+        if v is not None and v < (0 if name == "ep_size" else 1):
+            print(f"lrmoe: --{name.replace('_', '-')}={v} is invalid: expected an integer >= 1", file=sys.stderr)
+            raise SystemExit(2)
+    try:
+        args.fn(args)
+    except (ConfigError, DataError, UserError) as e:
+        print(f"lrmoe: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

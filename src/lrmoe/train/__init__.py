@@ -1,0 +1,1 @@
+"""Training: data, the loop, checkpoints, metrics, and the comparison of systems."""

@@ -1,0 +1,183 @@
+"""Run configuration: TOML files (standard library ``tomllib``), CLI overrides, validation.
+
+A config has four tables: ``[model]`` (a preset plus overrides, with a nested ``[model.moe]``),
+``[train]`` (everything about the run), ``[backward]`` (the LRMoE selection, a
+:class:`BackwardConfig`) and an optional ``[budget]`` (a :class:`ClusterBudget`, for ``lrmoe``).
+``[compare]`` configures ``lrmoe compare``. The resolved config is written next to the results
+(``config.toml``) so a run can be repeated exactly.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from lrmoe.config import BackwardConfig, ClusterBudget
+from lrmoe.layer import SYSTEMS
+from lrmoe.models import ModelConfig
+from lrmoe.train.data import DEFAULT_CORPUS
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem: field, value, what is allowed."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    system: str = "static"
+    steps: int = 200
+    batch: int = 8  # sequences per data-parallel rank
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup: int = 20
+    seed: int = 0
+    eval_every: int = 25
+    eval_batches: int = 4
+    checkpoint_every: int = 0  # 0: only at the end
+    nproc: int = 2
+    ep_size: int = 0  # ranks per expert-parallel group; 0: all ranks form one group
+    data: str = DEFAULT_CORPUS
+    vocab_size: int = 1024
+    val_fraction: float = 0.05
+    bias_update_rate: float = 1e-3  # aux-loss-free router bias step (sigmoid routers)
+    capacity_factor: float = 1.25
+    replan_interval: int = 10
+    on_nonfinite: str = "skip"  # "skip" the step or "stop" the run
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ConfigError(f"train.system={self.system!r} is invalid: expected one of {SYSTEMS}")
+        for name in ("steps", "batch", "eval_every", "eval_batches", "nproc", "vocab_size", "replan_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"train.{name}={v!r} is invalid: expected an integer >= 1")
+        for name in ("warmup", "checkpoint_every", "ep_size", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"train.{name}={v!r} is invalid: expected an integer >= 0")
+        for name in ("lr", "capacity_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"train.{name}={v!r} is invalid: expected a number > 0")
+        for name in ("weight_decay", "bias_update_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"train.{name}={v!r} is invalid: expected a number >= 0")
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError(f"train.val_fraction={self.val_fraction!r} is invalid: expected 0 < x < 0.5")
+        if self.vocab_size < 260:
+            raise ConfigError(f"train.vocab_size={self.vocab_size} is invalid: a byte-level BPE needs >= 260")
+        if self.ep_size and self.nproc % self.ep_size:
+            raise ConfigError(f"train.ep_size={self.ep_size} is invalid: it must divide nproc={self.nproc}")
+        if self.on_nonfinite not in ("skip", "stop"):
+            raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    systems: tuple[str, ...] = ("static", "symi", "lrmoe")
+    target_fraction: float = 0.8  # static's validation loss at this share of its steps is the target
+    budget_factor: float = 1.5  # the others may run this many times static's steps
+    target_loss: float | None = None  # a given target instead
+
+    def __post_init__(self) -> None:
+        for s in self.systems:
+            base = s.split("@")[0]
+            if base not in SYSTEMS:
+                raise ConfigError(f"compare.systems has {s!r}: expected names from {SYSTEMS} "
+                                  "(optionally name@ratio, e.g. lrmoe@0.5)")
+        if not 0 < self.target_fraction <= 1:
+            raise ConfigError(f"compare.target_fraction={self.target_fraction} is invalid: expected (0, 1]")
+        if not self.budget_factor >= 1:
+            raise ConfigError(f"compare.budget_factor={self.budget_factor} is invalid: expected >= 1")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    backward: BackwardConfig = field(default_factory=BackwardConfig)
+    budget: ClusterBudget | None = None
+    compare: CompareConfig = field(default_factory=CompareConfig)
+
+    def with_train(self, **overrides) -> RunConfig:
+        return replace(self, train=replace(self.train, **overrides))
+
+    def to_dict(self) -> dict:
+        moe = asdict(self.model.moe)
+        moe["dtype"] = str(moe["dtype"]).replace("torch.", "")
+        model = {f.name: getattr(self.model, f.name) for f in fields(ModelConfig) if f.name != "moe"}
+        out = {"model": {**model, "moe": moe}, "train": asdict(self.train), "backward": asdict(self.backward),
+               "compare": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.compare).items()}}
+        if self.budget is not None:
+            out["budget"] = asdict(self.budget)
+        return out
+
+
+def _table(raw: dict, name: str, cls, **extra):
+    table = dict(raw.get(name, {}))
+    known = {f.name for f in fields(cls)}
+    unknown = set(table) - known
+    if unknown:
+        raise ConfigError(f"[{name}] has unknown keys {sorted(unknown)}: expected {sorted(known)}")
+    if "systems" in table:
+        table["systems"] = tuple(table["systems"])
+    try:
+        return cls(**table, **extra)
+    except ValueError as e:
+        raise ConfigError(f"[{name}] {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"[{name}] {e}") from None
+
+
+def from_dict(raw: dict) -> RunConfig:
+    unknown = set(raw) - {"model", "train", "backward", "budget", "compare"}
+    if unknown:
+        raise ConfigError(f"unknown tables {sorted(unknown)}: expected model, train, backward, budget, compare")
+    try:
+        model = ModelConfig.from_dict(raw.get("model", {}))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[model] {e}") from None
+    budget = _table(raw, "budget", ClusterBudget) if "budget" in raw else None
+    return RunConfig(model, _table(raw, "train", TrainConfig), _table(raw, "backward", BackwardConfig), budget,
+                     _table(raw, "compare", CompareConfig))
+
+
+def load(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    return from_dict(raw)
+
+
+def dump_toml(d: dict) -> str:
+    """A minimal TOML writer for the resolved config (scalars, lists, nested tables)."""
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines: list[str] = []
+
+    def table(prefix: str, t: dict) -> None:
+        scalars = {k: v for k, v in t.items() if not isinstance(v, dict) and v is not None}
+        if prefix:
+            lines.append(f"[{prefix}]")
+        lines.extend(f"{k} = {value(v)}" for k, v in scalars.items())
+        lines.append("")
+        for k, v in t.items():
+            if isinstance(v, dict):
+                table(f"{prefix}.{k}" if prefix else k, v)
+
+    table("", d)
+    return "\n".join(lines).lstrip("\n")

@@ -1,0 +1,165 @@
+"""Text → byte-level BPE tokens → packed training windows, identical on every rank.
+
+The default corpus is the shortened English Wikipedia extract that the ``gensim`` wheel ships
+for its own tests (about 3.1 M characters once gensim's wiki filters have run); nothing is
+downloaded. ``--data PATH`` takes a text file or a folder of ``.txt``/``.md`` files instead.
+The extracted text, the trained tokenizer and the token ids are cached by content hash.
+
+Splits are deterministic: the last ``val_fraction`` of the token stream is validation. The
+training windows of step s are a seeded permutation's slice [s·B·DP, (s+1)·B·DP); data-parallel
+rank r takes its r-th share of B, so one rank with batch B·DP sees exactly what DP ranks see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_CORPUS = "gensim:enwiki-shortened"
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+
+
+class DataError(ValueError):
+    """A user-facing problem with the data (missing path, empty file, ...)."""
+
+
+def _gensim_wiki_text() -> str:
+    import bz2
+
+    try:
+        import gensim
+        from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+    except ImportError as e:  # pragma: no cover - gensim is a dependency
+        raise DataError("the default corpus needs the 'gensim' package (pip install gensim)") from e
+    path = Path(gensim.__file__).parent / "test" / "test_data" / \
+        "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+    if not path.exists():
+        raise DataError(f"gensim's Wikipedia extract is missing at {path}; pass --data PATH")
+    pages = (filter_wiki(text) for _, text, _ in extract_pages(bz2.BZ2File(path)))
+    return "\n\n".join(p.strip() for p in pages if len(p.strip()) > 200)
+
+
+def read_corpus(source: str) -> str:
+    """The text of ``source``: the default corpus, a text file, or a folder of text files."""
+    if source == DEFAULT_CORPUS:
+        return _gensim_wiki_text()
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"--data {source}: no such file or folder")
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise DataError(f"--data {source}: the folder has no {'/'.join(TEXT_SUFFIXES)} files")
+    text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    if not text.strip():
+        raise DataError(f"--data {source}: the text is empty")
+    return text
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("LRMOE_CACHE", Path.home() / ".cache" / "lrmoe"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def tokenize_corpus(source: str, vocab_size: int) -> tuple[np.ndarray, int]:
+    """Token ids (uint16/int32 numpy) of the corpus and the tokenizer's vocabulary size,
+    training a byte-level BPE on first use and caching both."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+    key = hashlib.sha256(f"{source}|{Path(source).resolve() if source != DEFAULT_CORPUS else ''}".encode())
+    if source != DEFAULT_CORPUS:
+        for f in ([Path(source)] if Path(source).is_file() else sorted(Path(source).rglob("*"))):
+            if f.is_file():
+                st = f.stat()
+                key.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
+    tag = f"{key.hexdigest()[:16]}-v{vocab_size}"
+    cache = _cache_dir()
+    tok_path, ids_path = cache / f"{tag}.tokenizer.json", cache / f"{tag}.ids.npy"
+    if tok_path.exists() and ids_path.exists():
+        return np.load(ids_path), Tokenizer.from_file(str(tok_path)).get_vocab_size()
+    text = read_corpus(source)
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([text[i : i + 100_000] for i in range(0, len(text), 100_000)],
+                            vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    ids = np.asarray(tok.encode(text).ids, dtype=np.int32)
+    if ids.size < 1000:
+        raise DataError(f"--data {source}: only {ids.size} tokens; at least 1000 are needed")
+    _atomic_write_bytes(tok_path, tok._tokenizer.to_str().encode())
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, ids)
+    _atomic_write_bytes(ids_path, buf.getvalue())
+    return ids, tok.get_vocab_size()
+
+
+@dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+
+    @staticmethod
+    def load(source: str, vocab_size: int, val_fraction: float = 0.05) -> TokenData:
+        ids, vocab = tokenize_corpus(source, vocab_size)
+        n_val = max(int(len(ids) * val_fraction), 1)
+        return TokenData(ids[:-n_val], ids[-n_val:], vocab)
+
+    def unigram_loss(self) -> float:
+        """Cross entropy (nats) of the validation tokens under the training unigram
+        distribution (add-one smoothed): the loss of a model that ignores context."""
+        counts = np.bincount(self.train, minlength=self.vocab_size).astype(np.float64) + 1.0
+        p = counts / counts.sum()
+        return float(-np.log(p[self.val]).mean())
+
+
+class Batches:
+    """Packed windows of ``seq_len + 1`` tokens: inputs and next-token targets."""
+
+    def __init__(self, data: TokenData, seq_len: int, batch: int, dp_rank: int, dp_size: int, seed: int) -> None:
+        self.data, self.seq_len, self.batch = data, seq_len, batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        n_windows = (len(data.train) - 1) // seq_len
+        if n_windows < batch * dp_size:
+            raise DataError(f"the training split has {n_windows} windows of {seq_len} tokens, fewer than "
+                            f"one global batch ({batch} x {dp_size})")
+        self.order = np.random.default_rng(seed).permutation(n_windows)
+
+    def _windows(self, source: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        w = torch.from_numpy(source[idx].astype(np.int64))
+        return w[:, :-1], w[:, 1:]
+
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        per_step = self.batch * self.dp_size
+        n = len(self.order)
+        first = (step * per_step) % n
+        picks = self.order[(first + np.arange(per_step)) % n]
+        mine = picks[self.dp_rank * self.batch : (self.dp_rank + 1) * self.batch]
+        return self._windows(self.data.train, mine * self.seq_len)
+
+    def val_batches(self, max_batches: int):
+        """Fixed validation windows (non-overlapping), this DP rank's share of each batch."""
+        n = (len(self.data.val) - 1) // self.seq_len
+        starts = np.arange(n) * self.seq_len
+        per = self.batch * self.dp_size
+        for b in range(min(max_batches, max(n // per, 1))):
+            chunk = starts[b * per : (b + 1) * per]
+            if len(chunk) < per:
+                break
+            yield self._windows(self.data.val, chunk[self.dp_rank * self.batch : (self.dp_rank + 1) * self.batch])

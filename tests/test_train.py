@@ -1,0 +1,162 @@
+"""Training on the real corpus: every system learns, resume is exact, runs are deterministic,
+pure data parallelism equals one rank with the doubled batch, user data and user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lrmoe.train.config import from_dict
+from lrmoe.train.loop import train
+
+TINY = {
+    "model": {"preset": "qwen3-moe-tiny", "dim": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32,
+              "moe": {"ffn_dim": 32, "num_experts": 4, "top_k": 2}},
+    "train": {"steps": 8, "batch": 4, "lr": 1e-2, "warmup": 2, "eval_every": 4, "eval_batches": 1,
+              "nproc": 2},
+}
+
+
+def tiny(**train_overrides):
+    raw = json.loads(json.dumps(TINY))
+    raw["model"]["moe"].update(train_overrides.pop("moe", {}))
+    raw["train"].update({k: v for k, v in train_overrides.items() if k not in ("budget", "backward")})
+    if "budget" in train_overrides:
+        raw["budget"] = train_overrides["budget"]
+    if "backward" in train_overrides:
+        raw["backward"] = train_overrides["backward"]
+    return from_dict(raw)
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    from tests.pool import RankPool
+
+    p = RankPool(2)
+    yield p
+    p.close()
+
+
+def train_case(group, cfg_kwargs: dict, out: str, resume=False, max_steps=None):
+    cfg = tiny(**cfg_kwargs)
+    return train(cfg, Path(out), group, resume=resume, max_steps=max_steps)
+
+
+@pytest.mark.parametrize("system", ["static", "static-recompute", "lrmoe", "masked", "symi", "capacity"])
+def test_every_system_learns(pool2, tmp_path, system):
+    kw = {"system": system, "steps": 10}
+    if system in ("lrmoe", "masked"):
+        kw["backward"] = {"ratio": 0.5}
+    pool2.run(2, train_case, kw, str(tmp_path))
+    ls = losses(tmp_path)
+    assert len(ls) == 10 and all(np.isfinite(ls))
+    assert np.mean(ls[-3:]) < np.mean(ls[:3]) - 0.2, ls
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("moe_fwd_ms", "moe_bwd_ms", "a2a_bytes", "kept_ratio", "load_cv", "peak_expert_side_bytes",
+                "val_loss", "moe_time_s"):
+        assert key in rec, key
+    counts = np.load(tmp_path / "routing.npz")["counts"]
+    assert counts.shape == (10, 2, 4) and (counts.sum(-1) == 2 * 4 * 32 * 2).all()
+
+
+def test_resume_equals_uninterrupted(pool2, tmp_path):
+    kw = {"system": "lrmoe", "steps": 8, "replan_interval": 2, "budget": {"memory_bytes": 300_000},
+          "backward": {"ratio": 1.0}}
+    pool2.run(2, train_case, kw, str(tmp_path / "straight"))
+    pool2.run(2, train_case, kw, str(tmp_path / "split"), False, 4)
+    pool2.run(2, train_case, kw, str(tmp_path / "split"), True)
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert len(a) == len(b) == 8
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    kept = [json.loads(line)["kept_ratio"] for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert min(kept) < 1.0, "the budget trims the backward in this run"
+
+
+def test_deterministic(pool2, tmp_path):
+    kw = {"system": "symi", "steps": 5}
+    pool2.run(2, train_case, kw, str(tmp_path / "a"))
+    pool2.run(2, train_case, kw, str(tmp_path / "b"))
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_pure_data_parallel_equals_one_rank_doubled_batch(pool2, tmp_path):
+    # no Switch aux loss: it is computed on each rank's tokens, so it is not the doubled batch's
+    common = {"system": "static", "steps": 5, "moe": {"aux_loss_coef": 0.0}}
+    pool2.run(2, train_case, {**common, "ep_size": 1, "batch": 4}, str(tmp_path / "dp"))
+    train_case(None, {**common, "nproc": 1, "batch": 8}, str(tmp_path / "one"))
+    np.testing.assert_allclose(losses(tmp_path / "dp"), losses(tmp_path / "one"), rtol=0, atol=2e-5)
+
+
+def _write_text_folder(folder: Path) -> None:
+    """A made-up corpus (generated here, nothing third-party)."""
+    rng = np.random.default_rng(0)
+    nouns = ["expert", "router", "token", "gradient", "budget", "replica", "rank", "layer", "quota", "batch"]
+    verbs = ["routes", "keeps", "drops", "scores", "sends", "reduces", "plans", "computes"]
+    folder.mkdir()
+    for i in range(3):
+        lines = [f"The {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} of every "
+                 f"{rng.choice(nouns)}." for _ in range(800)]
+        (folder / f"part{i}.txt").write_text("\n".join(lines))
+
+
+def test_user_text_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "texts"
+    _write_text_folder(data)
+    summary = train_case(None, {"system": "lrmoe", "steps": 3, "nproc": 1, "data": str(data), "vocab_size": 300,
+                                "backward": {"ratio": 0.5}}, str(tmp_path / "run"))
+    assert summary["steps"] == 3 and np.isfinite(summary["val"][-1][1])
+
+
+def _cli(*args, cwd=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lrmoe.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def _config_file(tmp_path: Path, **train_overrides) -> Path:
+    from lrmoe.train.config import dump_toml
+
+    path = tmp_path / "cfg.toml"
+    path.write_text(dump_toml(tiny(**train_overrides).to_dict()))
+    return path
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    cfg = _config_file(tmp_path)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = -3\n")
+    for args, needle in [
+        (["train", "--config", str(cfg), "--data", str(tmp_path / "missing")], "no such file or folder"),
+        (["train", "--config", str(cfg), "--data", str(empty)], "empty"),
+        (["train", "--config", str(tmp_path / "nope.toml")], "no such file"),
+        (["train", "--config", str(bad)], "train.steps=-3"),
+        (["train", "--config", str(cfg), "--system", "fast"], "system='fast'"),
+    ]:
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_train_launches_ranks(tmp_path):
+    cfg = _config_file(tmp_path)
+    out = tmp_path / "run"
+    r = _cli("train", "--config", str(cfg), "--nproc", "2", "--steps", "3", "--system", "lrmoe", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trained 3 steps of lrmoe" in r.stdout
+    assert len(losses(out)) == 3
+    assert (out / "config.toml").exists() and (out / "routing.npz").exists()
+    assert (out / "ckpt" / "latest").read_text() == "3"
