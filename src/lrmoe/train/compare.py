@@ -20,30 +20,22 @@ from pathlib import Path
 
 import numpy as np
 
-from lrmoe.config import BackwardConfig
-from lrmoe.train.config import ConfigError, RunConfig
+from lrmoe.train.config import ConfigError, RunConfig, parse_system_name
 
 RESULT_KEYS = ("steps_to_target", "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes")
 
 
 def system_config(cfg: RunConfig, name: str) -> RunConfig:
-    """``name`` is a system, optionally ``lrmoe-<selection>`` and ``@<ratio>`` (e.g.
-    ``lrmoe@0.5``, ``lrmoe-random@0.25``, ``masked@0.25``)."""
-    base, _, ratio = name.partition("@")
-    system, _, selection = base.partition("-")
-    if system == "static" and selection == "recompute":
-        system, selection = "static-recompute", ""
+    """The run config of one compared system (see :func:`parse_system_name`)."""
+    system, selection, ratio = parse_system_name(name)
     backward = cfg.backward
     try:
         if selection:
             backward = replace(backward, selection=selection)
-        if ratio:
-            backward = replace(backward, ratio=float(ratio))
+        if ratio is not None:
+            backward = replace(backward, ratio=ratio)
     except ValueError as e:
         raise ConfigError(f"compare system {name!r}: {e}") from None
-    if (selection or ratio) and system not in ("lrmoe", "masked"):
-        raise ConfigError(f"compare system {name!r}: a selection or ratio applies to lrmoe and masked only")
-    assert isinstance(backward, BackwardConfig)
     return replace(cfg.with_train(system=system), backward=backward)
 
 

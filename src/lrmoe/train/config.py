@@ -74,6 +74,22 @@ class TrainConfig:
             raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
 
 
+def parse_system_name(name: str) -> tuple[str, str | None, float | None]:
+    """``system[-selection][@ratio]`` → (system, selection or None, ratio or None), e.g.
+    ``lrmoe@0.5``, ``lrmoe-random@0.25``, ``masked@0.25``, ``static-recompute``."""
+    base, _, ratio = name.partition("@")
+    system, selection = (base, "") if base in SYSTEMS else base.split("-", 1) if "-" in base else (base, "")
+    bad = ConfigError(f"compare system {name!r} is invalid: expected one of {SYSTEMS}, optionally "
+                      f"lrmoe-<selection> and @<ratio> for lrmoe and masked (e.g. lrmoe-random@0.5)")
+    if system not in SYSTEMS or ((selection or ratio) and system not in ("lrmoe", "masked")):
+        raise bad
+    try:
+        value = float(ratio) if ratio else None
+    except ValueError:
+        raise bad from None
+    return system, selection or None, value
+
+
 @dataclass(frozen=True)
 class CompareConfig:
     systems: tuple[str, ...] = ("static", "symi", "lrmoe")
@@ -83,10 +99,7 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         for s in self.systems:
-            base = s.split("@")[0]
-            if base not in SYSTEMS:
-                raise ConfigError(f"compare.systems has {s!r}: expected names from {SYSTEMS} "
-                                  "(optionally name@ratio, e.g. lrmoe@0.5)")
+            parse_system_name(s)
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(f"compare.target_fraction={self.target_fraction} is invalid: expected (0, 1]")
         if not self.budget_factor >= 1:
