@@ -7,8 +7,9 @@ the layer's expert side and dtype size s:
 - the complete forward holds every received row's x and y (``2·D·s`` per row, plus 8 bytes of
   ‖h‖² for the selective systems) and, per row being computed, gate, up, silu(gate) and h
   (``4·F·s``): where all rows do not fit, they are computed in chunks that do;
-- a kept backward row holds dy, x and the recomputed gate, up, silu, h: ``(2·D + 4·F)·s``,
-  and replica gradients travel to owners through a buffer of one slot's parameters per replica.
+- a kept backward row holds dy, x and the recomputed gate, up, silu, h: ``(2·D + 4·F)·s``;
+- with replicas, their gradients travel to owners through a buffer of one copy's parameters
+  per replica, and the owned weights are copied once more into the concatenated slot weights.
 
 So rank r can keep ``cap_r = (M_r − slots − replica buffers) / ((2D + 4F)·s)`` backward rows,
 further bounded by the network budget N_r / (3·D·s) (dy and x in, dx out per kept row).
@@ -91,8 +92,10 @@ class Controller:
     def _slot_bytes(self, placement: Placement, r: int) -> int:
         copies = len(placement.slots[r])
         replicas = len(placement.replicas(r))
-        # copies' parameters + gradients, and the buffer replica gradients leave through
-        return copies * self.costs.slot + replicas * self.costs.slot_params
+        # copies' parameters + gradients; with replicas, the buffer their gradients leave
+        # through and the owned weights' second copy in the concatenated slot weights
+        extra = (replicas + len(placement.owned(r))) * self.costs.slot_params if replicas else 0
+        return copies * self.costs.slot + extra
 
     def check_slots(self, placement: Placement) -> None:
         for r in range(self.world):
@@ -114,6 +117,7 @@ class Controller:
                 f"{self.memory_R[rank]} bytes, its slots take {self._slot_bytes(placement, rank)} and its "
                 f"{recv_rows} received rows {recv_rows * self.costs.fwd_io} (x and y), leaving "
                 f"{max(room, 0)} for computing; one row needs {self.costs.fwd_compute}"
+                + (" (fewer replica slots would help: ClusterBudget(slots=...))" if placement.replicas(rank) else "")
             )
         return int(max(min(chunk, recv_rows), 1))
 

@@ -177,7 +177,9 @@ def _routed_forward(
                 chunk = c
 
     w_gu, w_down = _slot_weights(layer, gate_up, down)
-    meter = MemoryMeter(2 * _nbytes(w_gu, w_down))  # every local copy + its gradient buffer
+    # every local copy and its gradient buffer, plus the owned weights' second copy inside the
+    # concatenated slot weights when this rank holds replicas
+    meter = MemoryMeter(2 * _nbytes(w_gu, w_down) + (_nbytes(gate_up, down) if w_gu is not gate_up else 0))
     rows_RD = _to_experts(x_TD[plan.pair_idx // K], plan, group, wire, meter)
     want_h_sq = system in SELECTIVE
     acts = None
