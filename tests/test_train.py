@@ -160,3 +160,27 @@ def test_cli_train_launches_ranks(tmp_path):
     assert len(losses(out)) == 3
     assert (out / "config.toml").exists() and (out / "routing.npz").exists()
     assert (out / "ckpt" / "latest").read_text() == "3"
+
+
+def glm_case(group, out):
+    import torch
+
+    raw = json.loads(json.dumps(TINY))
+    raw["model"] = {"preset": "glm45-tiny", "dim": 32, "n_heads": 2, "seq_len": 32,
+                    "moe": {"ffn_dim": 32, "num_experts": 4, "top_k": 2}}
+    raw["train"].update(steps=8, system="lrmoe", bias_update_rate=0.01)
+    raw["backward"] = {"ratio": 0.5}
+    train(from_dict(raw), Path(out), group)
+    state = torch.load(Path(out) / "ckpt" / "step_0000008" / f"rank_{0 if group is None else group.rank()}.pt",
+                       weights_only=False)
+    biases = [v for k, v in state["model"].items() if k.endswith("e_score_correction_bias")]
+    return [b.abs().sum().item() for b in biases]
+
+
+def test_glm45_preset_trains_with_bias_updates(pool2, tmp_path):
+    res = pool2.run(2, glm_case, str(tmp_path))
+    assert len(res[0]) == 2, "glm45-tiny: first layer dense, two MoE layers"
+    assert all(b > 0 for b in res[0]), "the correction bias moved"
+    assert res[0] == res[1], "every data-parallel replica applies the same bias update"
+    ls = losses(tmp_path)
+    assert np.mean(ls[-3:]) < np.mean(ls[:3])
