@@ -331,6 +331,7 @@ def _routed_backward(
         dgate_up, ddown = dgate_up[:L] + add_gu, ddown[:L] + add_down
 
     layer.last_kept = keep_TK
+    layer.last_stats = call.stats  # a forward-only call in between must not hide this call's stats
     call.stats.update(
         quota_E=quota_E,
         kept_E=kept_E,
