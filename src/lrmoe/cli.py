@@ -1,6 +1,6 @@
 """``lrmoe train | compare``: the command line.
 
-    lrmoe train   --config FILE [--system NAME] [--nproc N] [--ep-size E] [--out DIR] [--resume]
+    lrmoe train   --config FILE [--system NAME] [--nproc N] [--ep-size E] [--out DIR] [--resume] [--max-restarts R]
                   [--steps N] [--data PATH]
     lrmoe compare --config FILE [--systems a,b,c] [--out DIR] [--nproc N] [--steps N] [--data PATH]
 
@@ -49,7 +49,7 @@ def _resolve(args) -> RunConfig:
 
 
 def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | None = None,
-           stop_at: float | None = None, eval_at: tuple[int, ...] = ()) -> dict:
+           stop_at: float | None = None, eval_at: tuple[int, ...] = (), max_restarts: int = 0) -> dict:
     """Write the resolved config to ``out/config.toml`` and run its ranks; returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.toml"
@@ -65,7 +65,7 @@ def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | Non
         worker += ["--eval-at", *map(str, eval_at)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.train.nproc}",
-           "-m", "lrmoe.train.worker", *worker]
+           f"--max-restarts={max_restarts}", "-m", "lrmoe.train.worker", *worker]
     proc = subprocess.run(cmd, env=env)
     if proc.returncode:
         raise SystemExit(f"lrmoe: training ranks failed (exit {proc.returncode}); see the log above")
@@ -75,7 +75,7 @@ def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | Non
 def cmd_train(args) -> None:
     cfg = _resolve(args)
     out = Path(args.out or f"runs/{cfg.train.system}")
-    summary = launch(cfg, out, resume=args.resume)
+    summary = launch(cfg, out, resume=args.resume, max_restarts=args.max_restarts)
     val = summary["val"][-1][1] if summary["val"] else float("nan")
     print(f"trained {summary['steps']} steps of {cfg.train.system}: validation loss {val:.4f} "
           f"(unigram {summary['unigram_loss']:.4f}), MoE time {summary['moe_time_s']:.2f} s; results in {out}/")
@@ -120,16 +120,19 @@ def main(argv: list[str] | None = None) -> None:
     _common(tr)
     tr.add_argument("--system", help="overrides train.system")
     tr.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in --out")
+    tr.add_argument("--max-restarts", type=int, default=0,
+                    help="restart failed ranks this many times; restarted ranks resume from the last checkpoint")
     tr.set_defaults(fn=cmd_train)
     cp = sub.add_parser("compare", help="time to a target loss, system by system")
     _common(cp)
     cp.add_argument("--systems", help="comma-separated, e.g. static,symi,lrmoe@0.5 (overrides compare.systems)")
     cp.set_defaults(fn=cmd_compare)
     args = ap.parse_args(argv)
-    for name in ("nproc", "ep_size", "steps"):
+    for name in ("nproc", "ep_size", "steps", "max_restarts"):
         v = getattr(args, name, None)
-        if v is not None and v < (0 if name == "ep_size" else 1):
-            print(f"lrmoe: --{name.replace('_', '-')}={v} is invalid: expected an integer >= 1", file=sys.stderr)
+        if v is not None and v < (0 if name in ("ep_size", "max_restarts") else 1):
+            least = 0 if name in ("ep_size", "max_restarts") else 1
+            print(f"lrmoe: --{name.replace('_', '-')}={v} is invalid: expected an integer >= {least}", file=sys.stderr)
             raise SystemExit(2)
     try:
         args.fn(args)

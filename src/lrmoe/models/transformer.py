@@ -51,9 +51,9 @@ class ModelConfig:
         """From a TOML table: model fields plus a nested ``moe`` table of MoEConfig fields."""
         d = dict(d)
         preset = d.pop("preset", None)
-        base = PRESETS[preset] if preset else ModelConfig()
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"model.preset={preset!r} is invalid: expected one of {sorted(PRESETS)}")
+        base = PRESETS[preset] if preset else ModelConfig()
         moe = dict(d.pop("moe", {}))
         known = {f.name for f in fields(ModelConfig)} - {"moe"}
         unknown = set(d) - known

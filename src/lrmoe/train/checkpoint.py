@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from lrmoe.layer import MoELayer
+
+
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none can be read."""
 
 
 def atomic_write(path: Path, write) -> None:
@@ -60,12 +65,17 @@ def load_latest(out: Path, rank: int) -> dict | None:
             steps = [s for s in steps if s <= newest]
         except ValueError:
             pass
+    tried = []
     for step in steps:
         path = root / f"step_{step:07d}" / f"rank_{rank}.pt"
         try:
             return torch.load(path, weights_only=False)
-        except (OSError, RuntimeError, EOFError) as e:
-            print(f"checkpoint {path} unreadable ({e.__class__.__name__}); trying an older one", flush=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+            tried.append(f"{path} ({e.__class__.__name__})")
+            print(f"checkpoint {path} is missing or unreadable ({e.__class__.__name__}); trying an older one",
+                  flush=True)
+    if tried:
+        raise CheckpointError(f"no readable checkpoint in {root}: tried {', '.join(tried)}")
     return None
 
 

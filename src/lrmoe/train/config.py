@@ -99,7 +99,10 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         for s in self.systems:
-            parse_system_name(s)
+            try:
+                parse_system_name(s)
+            except ConfigError as e:
+                raise ConfigError(f"compare.systems={list(self.systems)!r}: {e}") from None
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(f"compare.target_fraction={self.target_fraction} is invalid: expected (0, 1]")
         if not self.budget_factor >= 1:

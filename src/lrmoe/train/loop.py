@@ -221,6 +221,9 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         skipped = not bool(finite.item())
         if skipped and t.on_nonfinite == "stop":
             raise FloatingPointError(f"non-finite loss or gradient at step {step + 1}; stopping (on_nonfinite=stop)")
+        if skipped and lead:
+            print(f"\nstep {step + 1}: non-finite loss or gradient, step skipped (on_nonfinite=skip)",
+                  file=sys.stderr, flush=True)
         if not skipped:
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -250,6 +253,7 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         if reached:
             summary["stopped_at_target"] = True
             break
+        _maybe_inject_fault(done, groups.rank)
     if lead:
         np.savez_compressed(out / "routing.npz", counts=np.asarray(history["routing"], dtype=np.float32))
     summary.update(steps=len(history["routing"]), val=history["val"], moe_time_s=history["moe_time_s"],
@@ -257,6 +261,19 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
     if lead:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _maybe_inject_fault(step: int, rank: int) -> None:
+    """Testing hook for rank-failure recovery: ``LRMOE_FAULT_AT=STEP:RANK`` kills that rank with
+    SIGKILL after that step, on the first attempt only (torchrun's restart count is 0)."""
+    spec = os.environ.get("LRMOE_FAULT_AT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    fault_step, fault_rank = (int(v) for v in spec.split(":"))
+    if (step, rank) == (fault_step, fault_rank):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main_worker(config_path: str, out: str, resume: bool, max_steps: int | None, stop_at: float | None,
@@ -267,9 +284,19 @@ def main_worker(config_path: str, out: str, resume: bool, max_steps: int | None,
     cfg = load(config_path)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if world > 1:
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        # A fresh key prefix per restart attempt: otherwise gloo may read the addresses of the
+        # previous attempt's (dead) ranks from the shared store and fail to connect.
+        rank = int(os.environ["RANK"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=not agent_store and rank == 0)
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl",
+                                store=dist.PrefixStore(f"lrmoe/attempt_{restart}", store), rank=rank, world_size=world)
         group = dist.group.WORLD
+    # a rank restarted by torchrun (--max-restarts) resumes from the last good checkpoint
+    resume = resume or restart > 0
     try:
         train(cfg, Path(out), group, resume=resume, max_steps=max_steps, stop_at=stop_at, eval_at=eval_at)
     finally:
