@@ -90,9 +90,10 @@ def test_routing_extremes_fp32(pool, world, case):
     pool.run(world, extreme_case, case, "float32")
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", ["one-expert", "rank-no-tokens", "large", "small"])
-def test_routing_extremes_bf16(pool, case):
-    pool.run(2, extreme_case, case, "bfloat16")
+def test_routing_extremes_bf16(pool, world, case):
+    pool.run(world, extreme_case, case, "bfloat16")
 
 
 # ------------------------------------------------------------------- fuzz

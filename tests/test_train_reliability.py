@@ -51,6 +51,18 @@ def test_every_field_is_validated(cls, base, field, value):
     assert field in msg and any(v in msg for v in shown), msg
 
 
+@pytest.mark.parametrize("kwargs,field", [
+    ({"system": "fastest"}, "system"), ({"capacity_factor": 0}, "capacity_factor"),
+    ({"replan_interval": 0}, "replan_interval"), ({"load_ema": 1.0}, "load_ema"),
+    ({"system": "static", "budget": ClusterBudget(10**6)}, "budget"),
+])
+def test_layer_arguments_validated(kwargs, field):
+    from lrmoe import MoELayer
+
+    with pytest.raises(ValueError, match=field):
+        MoELayer(MoEConfig(dim=8, ffn_dim=8, num_experts=4, top_k=2), **kwargs)
+
+
 def test_unknown_keys_are_rejected():
     for raw, needle in [({"train": {"stepz": 3}}, "stepz"), ({"trian": {}}, "trian"),
                         ({"model": {"moe": {"experts": 3}}}, "experts"), ({"model": {"preset": "big"}}, "big")]:
