@@ -61,3 +61,57 @@ def from_hf_block(block: nn.Module) -> MoELayer:
     layer = MoELayer(config_from_hf_block(block))
     layer.load_full_state_dict(hf_block_state_dict(block))
     return layer
+
+
+_SUPPORTED = ("Qwen3MoeSparseMoeBlock", "Glm4MoeMoE")
+
+
+def patch_model(
+    model: nn.Module,
+    system: str = "static",
+    backward=None,
+    budget=None,
+    group=None,
+    **layer_kwargs,
+) -> nn.Module:
+    """Replace every Qwen3-MoE / GLM-4.5 MoE block of a transformers model, in place, by an
+    equivalent :class:`MoELayer` carrying the block's weights (each rank keeps its experts).
+    Returns the model. ``unpatch_model`` gives the plain transformers model back."""
+    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _SUPPORTED]
+    if not targets:
+        raise ValueError("patch_model found no Qwen3MoeSparseMoeBlock or Glm4MoeMoE in the model")
+    for name, block in targets:
+        layer = MoELayer(config_from_hf_block(block), system=system, group=group, backward=backward, budget=budget,
+                         **layer_kwargs)
+        layer.load_full_state_dict(hf_block_state_dict(block))
+        layer.to(next(block.parameters()).device)
+        layer._hf_block_class = type(block)
+        layer._hf_config = block.config if hasattr(block, "config") else model.config
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Inverse of :func:`patch_model` (collective when the layers are expert parallel): every
+    patched layer becomes a transformers block again, with the layer's current (trained)
+    weights, so the model saves with ``save_pretrained`` and reloads as usual."""
+    patched = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)
+               and hasattr(m, "_hf_block_class")]
+    for name, layer in patched:
+        sd = layer.full_state_dict()
+        block = layer._hf_block_class(layer._hf_config)
+        with torch.no_grad():
+            block.gate.weight.copy_(sd["router.weight"])
+            block.experts.gate_up_proj.copy_(sd["experts.gate_up_proj"])
+            block.experts.down_proj.copy_(sd["experts.down_proj"])
+            if "router.e_score_correction_bias" in sd:
+                block.gate.e_score_correction_bias.copy_(sd["router.e_score_correction_bias"])
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                key = f"shared_experts.{proj}.weight"
+                if key in sd:
+                    getattr(block.shared_experts, proj).weight.copy_(sd[key])
+        block.to(layer.router.weight.device)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, block)
+    return model

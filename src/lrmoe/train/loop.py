@@ -104,7 +104,9 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
     return model
 
 
-def _reduce_grads(model: MoETransformer, groups: Groups) -> None:
+def reduce_gradients(model: torch.nn.Module, groups: Groups) -> None:
+    """Gradients of the global mean loss: replicated parameters summed over all ranks, routed
+    experts over the data-parallel group of owners, both divided by the world size."""
     W = groups.world
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -214,7 +216,7 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         ids, tgt = batches.train_batch(step)
         loss, ce = model.loss(ids, tgt)
         loss.backward()
-        _reduce_grads(model, groups)
+        reduce_gradients(model, groups)
         finite = torch.tensor([float(torch.isfinite(loss).item()
                                      and all(torch.isfinite(p.grad).all() for p in model.parameters()))])
         _all_reduce(finite, groups.world_group, dist.ReduceOp.MIN)
