@@ -342,6 +342,8 @@ def _routed_backward(
         peak_expert_side_bytes=meter.peak,
         bwd_ms=(time.perf_counter() - t0) * 1e3,
     )
+    if x_TD.is_cuda:  # the allocator's view, for the whole process since the last reset
+        call.stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(x_TD.device)
     return dx_TD, dweights_TK, dgate_up, ddown
 
 
