@@ -21,10 +21,6 @@ from lrmoe.train.config import ConfigError, RunConfig, dump_toml, load
 from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
 
 
-class UserError(Exception):
-    pass
-
-
 def _common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help="TOML file (see configs/)")
     ap.add_argument("--nproc", type=int, help="ranks to launch (overrides train.nproc)")
@@ -136,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2)
     try:
         args.fn(args)
-    except (ConfigError, DataError, UserError) as e:
+    except (ConfigError, DataError) as e:
         print(f"lrmoe: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

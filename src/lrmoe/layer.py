@@ -168,9 +168,9 @@ def _routed_forward(
     assign_ESR = _assignment(layer, counts_SE_kept)
     plan = build_row_plan(ids_P, assign_ESR, layer.placement, layer.rank, keep_P=keep_P)
     call.plan = plan
-    recv_R = assign_ESR.sum((0, 1))
     chunk = plan.recv_rows
     if layer.controller is not None:  # every rank checks every rank, so all raise together
+        recv_R = assign_ESR.sum((0, 1))
         for r in range(layer.world):
             c = layer.controller.forward_chunk_rows(layer.placement, r, int(recv_R[r]))
             if r == layer.rank:
@@ -211,6 +211,8 @@ def _routed_forward(
     # What the expert side keeps for the backward (DESIGN.md "Recompute"): static-like systems
     # keep rows and activations, the recompute systems rows only, lrmoe nothing (home re-sends
     # the x rows of kept pairs).
+    if w_gu is not gate_up:  # the concatenated slot weights serve the backward too (counted above)
+        call.saved["slot_weights"] = (w_gu, w_down)
     if system in SAVES_ACTIVATIONS:
         call.saved.update(rows_RD=rows_RD, acts=acts)
     else:
@@ -229,7 +231,7 @@ def _routed_forward(
         fwd_a2a_bytes=wire.sent,
         fwd_a2a_recv_bytes=wire.received,
         home_bytes=_nbytes(y_PD, weights_TK, call.ids_TK, plan.pair_idx, h_sq_P),
-        fwd_peak_expert_side_bytes=meter.peak,
+        peak_expert_side_bytes=meter.peak,  # the backward raises it to the whole call's peak
         placement_bytes=layer._take_placement_bytes(),
         optimizer_bytes=ADAM_STATES * _nbytes(gate_up, down),
         fwd_ms=(time.perf_counter() - t0) * 1e3,
@@ -237,23 +239,23 @@ def _routed_forward(
     return out_TD, y_PD, h_sq_P
 
 
-def _quotas(layer: MoELayer, counts_E: torch.Tensor) -> torch.Tensor:
+def _quotas(layer: MoELayer, counts_E: torch.Tensor, cap_R: list[int] | None) -> torch.Tensor:
     """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone."""
     quota_E = fixed_ratio_quota(counts_E, layer.backward_config.ratio)
     if layer.controller is not None:
-        quota_E = torch.minimum(quota_E, layer.controller.quotas(counts_E, layer.placement, layer._kept_cap))
+        quota_E = torch.minimum(quota_E, layer.controller.quotas(counts_E, layer.placement, cap_R))
     return quota_E
 
 
 def _select(call: _Call, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
-            wire: WireCounter) -> Selection:
+            cap_R: list[int] | None, wire: WireCounter) -> Selection:
     """LRM scores of this rank's pairs and the kept set (collective)."""
     layer = call.layer
     K = call.ids_TK.shape[1]
     ids_P = call.ids_TK.reshape(-1)
     g_sq_P = squared_norms(g_TD).repeat_interleave(K)
     scores_P = lrm_scores(weights_TK.reshape(-1), g_sq_P, h_sq_P)
-    quota_E = _quotas(layer, call.counts_SE.sum(0))
+    quota_E = _quotas(layer, call.counts_SE.sum(0), cap_R)
     return select(scores_P, ids_P, call.counts_SE, quota_E, layer.backward_config, layer.group, wire,
                   layer._selection_generator())
 
@@ -285,13 +287,15 @@ def _routed_backward(
     factor_P = weights_TK.reshape(-1)
     plan = call.plan
     if layer.system in SELECTIVE:
-        sel = _select(call, g_TD, weights_TK, h_sq_P, wire)
+        # backward rows each rank may keep within its budget (None: unbounded)
+        cap_R = layer.controller.kept_capacity(layer.placement) if layer.controller is not None else None
+        sel = _select(call, g_TD, weights_TK, h_sq_P, cap_R, wire)
         if sel.scale_P is not None:
             factor_P = factor_P * sel.scale_P.to(factor_P.dtype)
         if layer.system == "masked":
             factor_P = factor_P * sel.keep_P
         else:
-            assign_ESR = _assignment(layer, sel.kept_SE, layer._kept_cap)
+            assign_ESR = _assignment(layer, sel.kept_SE, cap_R)
             plan = build_row_plan(ids_P, assign_ESR, layer.placement, layer.rank, keep_P=sel.keep_P)
         keep_TK, quota_E, kept_E = sel.keep_P.view(T, K), sel.quota_E, sel.kept_SE.sum(0)
         call.stats["nonfinite"] = sel.nonfinite
@@ -317,7 +321,7 @@ def _routed_backward(
     if acts is not None:
         meter.drop(*acts.values())
     bwd_rows = dy_RD.shape[0]
-    w_gu, w_down = _slot_weights(layer, gate_up, down)
+    w_gu, w_down = saved.pop("slot_weights", (gate_up, down))
     dx_RD, dgate_up, ddown = experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, plan.slot_counts, acts)
     del rows_RD, dy_RD
     dx_home_ND = _to_home(dx_RD, plan, layer.group, wire)
@@ -425,7 +429,6 @@ class MoELayer(nn.Module):
         self._load_E = torch.ones(config.num_experts, dtype=torch.float64)
         self._steps = 0
         self._placement_bytes = 0
-        self._kept_cap: list[int] | None = None
         if self._slots_R is not None:
             self._replan()
         self.last_stats: dict = {}
@@ -452,7 +455,6 @@ class MoELayer(nn.Module):
         self.placement = plan_replicas(self.base_placement, self._load_E, self._slots_R)
         if self.controller is not None:
             self.controller.check_slots(self.placement)
-            self._kept_cap = self.controller.kept_capacity(self.placement)
         self._stale = True
 
     def _refresh_replicas(self) -> None:
@@ -492,8 +494,6 @@ class MoELayer(nn.Module):
         if self._slots_R is not None:
             replicas = [[e for e in s if int(self.base_placement.owner_E[e]) != r] for r, s in enumerate(slots)]
             self.placement = self.base_placement.with_replicas(replicas)
-            if self.controller is not None:
-                self._kept_cap = self.controller.kept_capacity(self.placement)
             self._stale = True  # refetched from the owners at the next forward
 
     def _selection_generator(self) -> torch.Generator:

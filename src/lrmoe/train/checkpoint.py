@@ -18,19 +18,11 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.layer import MoELayer
+from lrmoe.train.files import atomic_write
 
 
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be read."""
-
-
-def atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _layers(model) -> list[MoELayer]:

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lrmoe.train.files import atomic_write
+
 DEFAULT_CORPUS = "gensim:enwiki-shortened"
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 
@@ -67,15 +69,6 @@ def _cache_dir() -> Path:
     return root
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def tokenize_corpus(source: str, vocab_size: int) -> tuple[np.ndarray, int]:
     """Token ids (uint16/int32 numpy) of the corpus and the tokenizer's vocabulary size,
     training a byte-level BPE on first use and caching both."""
@@ -99,12 +92,8 @@ def tokenize_corpus(source: str, vocab_size: int) -> tuple[np.ndarray, int]:
     ids = np.asarray(tok.encode(text).ids, dtype=np.int32)
     if ids.size < 1000:
         raise DataError(f"--data {source}: only {ids.size} tokens; at least 1000 are needed")
-    _atomic_write_bytes(tok_path, tok._tokenizer.to_str().encode())
-    import io
-
-    buf = io.BytesIO()
-    np.save(buf, ids)
-    _atomic_write_bytes(ids_path, buf.getvalue())
+    atomic_write(tok_path, lambda f: f.write(tok._tokenizer.to_str().encode()))
+    atomic_write(ids_path, lambda f: np.save(f, ids))
     return ids, tok.get_vocab_size()
 
 
