@@ -7,9 +7,11 @@
 Every rank routes ``--tokens`` tokens whose router logits carry a per-expert offset
 log(p_e), p_e ∝ 1/rank(e)^zipf, so expert popularity follows a Zipf law. Rows: static,
 static-recompute, symi, capacity (factor 1.25), lrmoe with a per-rank budget of
-``--budget-fraction`` × static's peak expert-side bytes (max over ranks). Each system runs
-``--steps`` forward+backward steps with ``step_end()`` between them (replicas re-planned every
-2 steps for lrmoe, every step for symi). Figures: peak_expert_side_bytes (max over ranks and
+``--budget-fraction`` × static's peak expert-side bytes (max over ranks), and the replication
+family (fastermoe, flexmoe, smartmoe with its pool built from static's recorded counts, laer,
+ultraep, topoep on two nodes). Each system runs ``--steps`` forward+backward steps with
+``step_end()`` between them (replicas re-planned every 2 steps for lrmoe, every step for symi,
+flexmoe, smartmoe and topoep, every call for fastermoe, laer and ultraep). Figures: peak_expert_side_bytes (max over ranks and
 steps), max_rank_rows (most forward rows one rank computed), fwd/bwd_a2a_bytes (max over ranks,
 last step), placement_bytes (parameter bytes moved, all ranks and steps), forward_pairs_computed
 (all ranks, last step), kept_fraction (backward pairs kept / routed, last step).
@@ -24,8 +26,9 @@ import torch
 from common import print_table, run_ranks, write_json
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
+from lrmoe.layer import REPLICATION_FAMILY
 
-SYSTEMS = ("static", "static-recompute", "symi", "capacity", "lrmoe")
+SYSTEMS = ("static", "static-recompute", "symi", "capacity", "lrmoe", *REPLICATION_FAMILY)
 
 
 def skewed_problem(cfg: MoEConfig, args: argparse.Namespace, rank: int):
@@ -45,13 +48,17 @@ def skewed_problem(cfg: MoEConfig, args: argparse.Namespace, rank: int):
     return sd, x, g
 
 
-def run_system(group, cfg, sd, x, g, system: str, args, budget: int | None) -> dict:
+def run_system(group, cfg, sd, x, g, system: str, args, budget: int | None, trace=None) -> dict:
     kwargs = {}
-    if system == "lrmoe":
+    if system == "smartmoe":  # its offline pool from static's recorded routing
+        kwargs = dict(routing_trace=trace)
+    elif system == "lrmoe":
         kwargs = dict(budget=ClusterBudget(budget), replan_interval=2)
+    elif system == "topoep":  # two nodes
+        kwargs = dict(budget=ClusterBudget(ranks_per_node=max(1, comm.world_size(group) // 2)))
     layer = MoELayer(cfg, system=system, group=group, **kwargs)
     layer.load_full_state_dict(sd)
-    peak, placement = 0, 0
+    peak, placement, trace = 0, 0, []
     for _ in range(args.steps):
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
@@ -59,6 +66,7 @@ def run_system(group, cfg, sd, x, g, system: str, args, budget: int | None) -> d
         s = layer.last_stats
         peak = max(peak, s["peak_expert_side_bytes"])
         placement += s.get("placement_bytes", 0)
+        trace.append(s["counts_E"])
         layer.step_end()
     layer(x.clone().requires_grad_(True)).sum().mul(0).backward()  # collects the last refresh
     placement += layer.last_stats.get("placement_bytes", 0)
@@ -71,6 +79,7 @@ def run_system(group, cfg, sd, x, g, system: str, args, budget: int | None) -> d
         "kept": int(s["kept_E"].sum()),
         "routed": int(s["counts_E"].sum()),
         "optimizer_bytes": s["optimizer_bytes"],
+        "trace": torch.stack(trace),
     }
 
 
@@ -86,7 +95,9 @@ def measure(group, args) -> dict:
             static_peak = comm.all_gather(torch.tensor([[out["static"]["peak_expert_side_bytes"]]]),
                                           [1] * comm.world_size(group), group).max()
             budget = int(args.budget_fraction * int(static_peak))
-        out[system] = run_system(group, cfg, sd, x, g, system, args, budget)
+        out[system] = run_system(group, cfg, sd, x, g, system, args, budget, out.get("static", {}).get("trace"))
+    for figures in out.values():
+        del figures["trace"]  # tensors do not leave the rank processes
     out["budget"] = budget
     return out
 

@@ -21,7 +21,8 @@ class Recorder:
         real_a2a, real_mm, real_wgrad = dist.all_to_all_single, experts.grouped_mm, experts.grouped_mm_wgrad
 
         def a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-            row = input[0:1].numel() * input.element_size() if input.shape[0] else 0
+            shaped = input if input.shape[0] else output  # a rank may send nothing yet receive
+            row = shaped[0:1].numel() * shaped.element_size() if shaped.shape[0] else 0
             sent = (sum(input_split_sizes) - input_split_sizes[rank]) * row
             recv = (sum(output_split_sizes) - output_split_sizes[rank]) * row
             self.a2a.append((sent, recv))

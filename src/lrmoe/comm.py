@@ -27,10 +27,13 @@ def rank_of(group: Group) -> int:
 
 @dataclass
 class WireCounter:
-    """Bytes this rank sent to / received from other ranks (its own chunk excluded)."""
+    """Bytes this rank sent to / received from other ranks (its own chunk excluded); with
+    ``node_of`` (rank → node) also the part of ``sent`` that crossed to another node."""
 
     sent: int = 0
     received: int = 0
+    node_of: list[int] | None = None
+    inter_sent: int = 0
 
 
 def all_to_all(
@@ -51,6 +54,9 @@ def all_to_all(
         row_bytes = math.prod(send_XD.shape[1:]) * send_XD.element_size()
         counter.sent += (sum(send_splits) - send_splits[me]) * row_bytes
         counter.received += (sum(recv_splits) - recv_splits[me]) * row_bytes
+        if counter.node_of is not None:
+            node = counter.node_of
+            counter.inter_sent += sum(n for r, n in enumerate(send_splits) if node[r] != node[me]) * row_bytes
     if world_size(group) == 1:
         return send_XD
     send_XD = send_XD.contiguous()

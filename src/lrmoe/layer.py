@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lrmoe import comm, experts
+from lrmoe import comm, experts, planners, sharding
 from lrmoe.balance import assign_min_peak
 from lrmoe.comm import Group, WireCounter
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
@@ -24,14 +24,23 @@ from lrmoe.controller import Controller
 from lrmoe.dispatch import RowPlan, build_row_plan
 from lrmoe.experts import GroupedExperts, SwiGLU
 from lrmoe.placement import Placement, plan_replicas
+from lrmoe.planners import CostModel
 from lrmoe.replicas import Replicas
 from lrmoe.router import Router, aux_losses
 from lrmoe.selection import Selection, fixed_ratio_quota, lrm_scores, select, squared_norms
 
-SYSTEMS = ("static", "static-recompute", "lrmoe", "masked", "symi", "capacity")
+REPLICATION_FAMILY = ("fastermoe", "flexmoe", "smartmoe", "laer", "ultraep", "topoep")
+SYSTEMS = ("static", "static-recompute", "lrmoe", "masked", "symi", "capacity", *REPLICATION_FAMILY)
 SELECTIVE = ("lrmoe", "masked")  # systems whose backward keeps only selected pairs
-SAVES_ACTIVATIONS = ("static", "symi", "capacity")  # the others recompute gate/up and h
-ADAM_STATES = 2  # optimizer_bytes assumes Adam(W): two moments per owned parameter
+SAVES_ACTIVATIONS = ("static", "symi", "capacity", *REPLICATION_FAMILY)  # the others recompute gate/up and h
+PER_CALL = ("fastermoe", "ultraep", "laer")  # placement planned from each call's own counts
+PER_STEP = ("symi", "flexmoe", "smartmoe", "topoep")  # replicas re-planned between optimizer steps
+TAKES_BUDGET = ("lrmoe", "symi", *REPLICATION_FAMILY)
+ADAM_STATES = planners.ADAM_STATES  # optimizer_bytes assumes Adam(W): two moments per owned parameter
+SMARTMOE_POOL = 4  # placements in SmartMoE's offline pool
+SMARTMOE_WARMUP = 20  # without a given trace, SmartMoE records this many calls' loads first
+EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
+FLEXMOE_HORIZON = 10  # steps a FlexMoE re-placement is expected to last when weighing its cost
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -64,6 +73,7 @@ class _Call:
     layer: MoELayer
     ids_TK: torch.Tensor
     stats: dict = field(default_factory=dict)
+    placement: Placement | None = None  # this call's (per-call planners change the layer's between calls)
     plan: RowPlan | None = None
     counts_SE: torch.Tensor | None = None
     meter: MemoryMeter | None = None
@@ -94,19 +104,33 @@ def _to_home(rows_RX: torch.Tensor, plan: RowPlan, group: Group, wire: WireCount
     return comm.all_to_all(rows_RX, plan.recv_splits, plan.send_splits, group, wire)
 
 
-def _slot_weights(layer: MoELayer, gate_up: torch.Tensor, down: torch.Tensor):
-    """Weights of every local slot: owned experts, then replicas."""
+def _slot_weights(call: _Call, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights of every local slot: owned experts, then replicas; for ``laer`` the experts this
+    call placed here, assembled from every rank's slices (parameter bytes moved, counted)."""
+    layer = call.layer
+    if layer.system == "laer":
+        wire = layer._wire()
+        weights = sharding.assemble(gate_up.detach(), down.detach(), call.placement, layer.rank, layer.group, wire)
+        layer._placement_bytes += wire.sent
+        return weights
     if not len(layer.replicas.experts):
         return gate_up, down
     return (torch.cat([gate_up, layer.replicas.gate_up_proj]), torch.cat([down, layer.replicas.down_proj]))
 
 
-def _assignment(layer: MoELayer, counts_SE: torch.Tensor, capacity_R: list[int] | None = None
-                ) -> torch.Tensor:
-    """assign_ESR: single copies go to their owner; replicated experts are spread min-peak."""
-    if layer.placement.num_copies == layer.config.num_experts:
-        return layer.placement.owner_assignment(counts_SE)
-    return assign_min_peak(counts_SE.t(), layer.placement.holder_lists, capacity_R)
+def _assignment(layer: MoELayer, placement: Placement, counts_SE: torch.Tensor,
+                capacity_R: list[int] | None = None) -> torch.Tensor:
+    """assign_ESR: single copies go to their owner; replicated experts are spread min-peak
+    (``fastermoe``: shadowed experts compute where their pairs are; ``topoep``: then sources
+    re-matched to holders to keep pairs inside their node)."""
+    if layer.system == "fastermoe":
+        return planners.local_assignment(counts_SE, placement)
+    if placement.owners_only:
+        return placement.owner_assignment(counts_SE)
+    assign_ESR = assign_min_peak(counts_SE.t(), placement.holder_lists, capacity_R)
+    if layer.system == "topoep":
+        assign_ESR = planners.localize(assign_ESR, layer.node_of)
+    return assign_ESR
 
 
 def _capacity_keep(layer: MoELayer, weights_TK: torch.Tensor, ids_P: torch.Tensor, counts_SE: torch.Tensor,
@@ -149,7 +173,7 @@ def _routed_forward(
     t0 = time.perf_counter()
     T, K = call.ids_TK.shape
     E, group, system = layer.config.num_experts, layer.group, layer.system
-    wire = WireCounter()
+    wire = layer._wire()
     ids_P = call.ids_TK.reshape(-1)
 
     counts_E = torch.bincount(ids_P, minlength=E).cpu()
@@ -157,6 +181,9 @@ def _routed_forward(
     call.counts_SE = counts_SE
     if call.training:
         layer._observe_load(counts_SE.sum(0))
+    if system in PER_CALL:
+        call.stats.update(layer._place_call(counts_SE))
+    call.placement = placement = layer.placement
     keep_P = None
     if system == "capacity":
         sel = _capacity_keep(layer, weights_TK, ids_P, counts_SE, wire)
@@ -165,21 +192,23 @@ def _routed_forward(
         layer.last_kept = sel.keep_P.view(T, K)
     else:
         counts_SE_kept = counts_SE
-    assign_ESR = _assignment(layer, counts_SE_kept)
-    plan = build_row_plan(ids_P, assign_ESR, layer.placement, layer.rank, keep_P=keep_P)
+    assign_ESR = _assignment(layer, placement, counts_SE_kept)
+    plan = build_row_plan(ids_P, assign_ESR, placement, layer.rank, keep_P=keep_P)
     call.plan = plan
     chunk = plan.recv_rows
     if layer.controller is not None:  # every rank checks every rank, so all raise together
         recv_R = assign_ESR.sum((0, 1))
         for r in range(layer.world):
-            c = layer.controller.forward_chunk_rows(layer.placement, r, int(recv_R[r]))
+            c = layer.controller.forward_chunk_rows(placement, r, int(recv_R[r]))
             if r == layer.rank:
                 chunk = c
 
-    w_gu, w_down = _slot_weights(layer, gate_up, down)
-    # every local copy and its gradient buffer, plus the owned weights' second copy inside the
-    # concatenated slot weights when this rank holds replicas
-    meter = MemoryMeter(2 * _nbytes(w_gu, w_down) + (_nbytes(gate_up, down) if w_gu is not gate_up else 0))
+    w_gu, w_down = _slot_weights(call, gate_up, down)
+    if system == "laer":  # slices and their gradients, assembled experts and theirs
+        meter = MemoryMeter(2 * (_nbytes(gate_up, down) + _nbytes(w_gu, w_down)))
+    else:  # every local copy and its gradient buffer, plus the owned weights' second copy inside
+        # the concatenated slot weights when this rank holds replicas
+        meter = MemoryMeter(2 * _nbytes(w_gu, w_down) + (_nbytes(gate_up, down) if w_gu is not gate_up else 0))
     rows_RD = _to_experts(x_TD[plan.pair_idx // K], plan, group, wire, meter)
     want_h_sq = system in SELECTIVE
     acts = None
@@ -230,6 +259,7 @@ def _routed_forward(
         forward_pairs_computed=plan.recv_rows,
         fwd_a2a_bytes=wire.sent,
         fwd_a2a_recv_bytes=wire.received,
+        **({"fwd_a2a_inter_bytes": wire.inter_sent} if wire.node_of else {}),
         home_bytes=_nbytes(y_PD, weights_TK, call.ids_TK, plan.pair_idx, h_sq_P),
         peak_expert_side_bytes=meter.peak,  # the backward raises it to the whole call's peak
         placement_bytes=layer._take_placement_bytes(),
@@ -275,7 +305,7 @@ def _routed_backward(
     t0 = time.perf_counter()
     T, K = call.ids_TK.shape
     ids_P = call.ids_TK.reshape(-1)
-    wire = WireCounter()
+    wire = layer._wire()
     g_TD = g_TD.contiguous()
 
     # Router gradient, exact for every pair: d out_t / d w_tk = ⟨g_t, y_tk⟩.
@@ -288,15 +318,15 @@ def _routed_backward(
     plan = call.plan
     if layer.system in SELECTIVE:
         # backward rows each rank may keep within its budget (None: unbounded)
-        cap_R = layer.controller.kept_capacity(layer.placement) if layer.controller is not None else None
+        cap_R = layer.controller.kept_capacity(call.placement) if layer.controller is not None else None
         sel = _select(call, g_TD, weights_TK, h_sq_P, cap_R, wire)
         if sel.scale_P is not None:
             factor_P = factor_P * sel.scale_P.to(factor_P.dtype)
         if layer.system == "masked":
             factor_P = factor_P * sel.keep_P
         else:
-            assign_ESR = _assignment(layer, sel.kept_SE, cap_R)
-            plan = build_row_plan(ids_P, assign_ESR, layer.placement, layer.rank, keep_P=sel.keep_P)
+            assign_ESR = _assignment(layer, call.placement, sel.kept_SE, cap_R)
+            plan = build_row_plan(ids_P, assign_ESR, call.placement, layer.rank, keep_P=sel.keep_P)
         keep_TK, quota_E, kept_E = sel.keep_P.view(T, K), sel.quota_E, sel.kept_SE.sum(0)
         call.stats["nonfinite"] = sel.nonfinite
     else:
@@ -328,9 +358,12 @@ def _routed_backward(
     dx_TD = torch.zeros_like(x_TD)
     dx_TD.index_add_(0, tok_N, dx_home_ND)
     L = gate_up.shape[0]
-    if layer.placement.num_copies > layer.config.num_experts:  # replica gradients go to owners (collective)
+    if layer.system == "laer":  # slot gradients summed into the slices' owners (collective)
+        meter.hold(dgate_up, ddown)  # the send buffer
+        dgate_up, ddown = sharding.reduce_grads(dgate_up, ddown, call.placement, layer.rank, layer.group, wire, L)
+    elif call.placement.num_copies > layer.config.num_experts:  # replica gradients go to owners (collective)
         meter.hold(dgate_up[L:], ddown[L:])  # the send buffer
-        add_gu, add_down = layer.replicas.reduce_grads(dgate_up[L:], ddown[L:], layer.placement, layer.rank,
+        add_gu, add_down = layer.replicas.reduce_grads(dgate_up[L:], ddown[L:], call.placement, layer.rank,
                                                        layer.group, wire)
         dgate_up, ddown = dgate_up[:L] + add_gu, ddown[:L] + add_down
 
@@ -343,6 +376,7 @@ def _routed_backward(
         select_ms=select_ms if layer.system in SELECTIVE else 0.0,
         bwd_a2a_bytes=wire.sent,
         bwd_a2a_recv_bytes=wire.received,
+        **({"bwd_a2a_inter_bytes": wire.inter_sent} if wire.node_of else {}),
         peak_expert_side_bytes=meter.peak,
         bwd_ms=(time.perf_counter() - t0) * 1e3,
     )
@@ -372,9 +406,11 @@ class MoELayer(nn.Module):
     ``forward(x)`` takes (T, D) or (B, S, D). ``system`` selects placement and backward
     (see DESIGN.md): ``static``, ``static-recompute``, ``lrmoe`` (``backward`` picks the
     selection and ratio; a ``budget`` adds the controller's quotas and replicas), ``masked``,
-    ``symi`` (replicas re-planned every optimizer step), ``capacity`` (``capacity_factor``).
-    ``last_stats`` is refreshed by each forward and backward. Call :meth:`step_end` after every
-    optimizer step when the layer has replicas (``symi``, budgeted ``lrmoe``).
+    ``symi`` (replicas re-planned every optimizer step), ``capacity`` (``capacity_factor``), and
+    the replication family (docs/systems.md): ``fastermoe``, ``flexmoe``, ``smartmoe``
+    (``routing_trace``: (steps, E) loads for its offline pool), ``laer``, ``ultraep``, ``topoep``
+    (``budget.ranks_per_node``). ``last_stats`` is refreshed by each forward and backward. Call
+    :meth:`step_end` after every optimizer step (a no-op for systems without replicas).
     """
 
     def __init__(
@@ -387,6 +423,7 @@ class MoELayer(nn.Module):
         capacity_factor: float = 1.25,
         replan_interval: int = 10,
         load_ema: float = 0.9,
+        routing_trace: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -397,9 +434,13 @@ class MoELayer(nn.Module):
             raise TypeError(f"backward must be a BackwardConfig, got {type(backward).__name__}")
         if budget is not None and not isinstance(budget, ClusterBudget):
             raise TypeError(f"budget must be a ClusterBudget, got {type(budget).__name__}")
-        if budget is not None and system not in ("lrmoe", "symi"):
-            raise ValueError(f"budget is used by system='lrmoe' (quotas, replicas) or 'symi' (slots), "
-                             f"not system={system!r}")
+        if budget is not None and system not in TAKES_BUDGET:
+            raise ValueError(f"budget is used by system='lrmoe' (quotas, replicas) and the replicated systems "
+                             f"{TAKES_BUDGET[1:]} (slots, topology), not system={system!r}")
+        if system == "topoep" and (budget is None or budget.ranks_per_node is None):
+            raise ValueError("system='topoep' needs the topology: budget=ClusterBudget(ranks_per_node=...)")
+        if routing_trace is not None and system != "smartmoe":
+            raise ValueError(f"routing_trace is used by system='smartmoe', not system={system!r}")
         if not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
             raise ValueError(f"capacity_factor={capacity_factor!r} is invalid: expected a number > 0")
         if isinstance(replan_interval, bool) or not isinstance(replan_interval, int) or replan_interval < 1:
@@ -409,27 +450,41 @@ class MoELayer(nn.Module):
         self.config, self.system, self.group = config, system, group
         self.backward_config = backward or BackwardConfig()
         self.capacity_factor = float(capacity_factor)
-        self.replan_interval = 1 if system == "symi" else replan_interval
+        self.replan_interval = 1 if system in PER_STEP else replan_interval
         self.load_ema = load_ema
         self._backward_calls = 0  # seeds random/sampled selection: one stream per backward
         self.world, self.rank = comm.world_size(group), comm.rank_of(group)
+        self.node_of = budget.node_of(self.world) if budget is not None else None
         self.base_placement = Placement.static(config.num_experts, self.world)
         self.placement = self.base_placement
         dtype = config.torch_dtype
         self.router = Router(config)
-        n_owned = len(self.base_placement.owned(self.rank))
-        self.experts = GroupedExperts(n_owned, config.dim, config.ffn_dim, dtype)
+        if system == "laer":  # a slice of every expert (sharding.py)
+            sharding.check_shardable(config.ffn_dim, self.world)
+            self.experts = GroupedExperts(config.num_experts, config.dim, config.ffn_dim // self.world, dtype)
+        else:
+            n_owned = len(self.base_placement.owned(self.rank))
+            self.experts = GroupedExperts(n_owned, config.dim, config.ffn_dim, dtype)
         self.replicas = Replicas(config.dim, config.ffn_dim, dtype)
         self.shared_experts = (
             SwiGLU(config.dim, config.shared_hidden, dtype) if config.num_shared_experts else None
         )
-        budgeted = budget is not None and system == "lrmoe"
+        budgeted = budget is not None and budget.memory_bytes is not None and system == "lrmoe"
         self.controller = Controller(config, budget, self.world) if budgeted else None
+        link = budget.inter_node_gbps if budget is not None and budget.inter_node_gbps else CostModel.link_gbps
+        self.costs = CostModel(config.dim, config.ffn_dim, torch.tensor([], dtype=dtype).element_size(),
+                               link_gbps=link)
         self._slots_R = self._plan_slots(budget)
         self._load_E = torch.ones(config.num_experts, dtype=torch.float64)
         self._steps = 0
         self._placement_bytes = 0
-        if self._slots_R is not None:
+        self._bound_optimizer_bytes = 0
+        self._trace: list[torch.Tensor] = []  # smartmoe without a given trace: its own first steps
+        self._pool = None
+        if routing_trace is not None:
+            self._pool = planners.placement_pool(torch.as_tensor(routing_trace), self.base_placement,
+                                                 self._slots_R, SMARTMOE_POOL)
+        if self._slots_R is not None and system not in PER_CALL:
             self._replan()
         self.last_stats: dict = {}
         self.last_kept: torch.Tensor | None = None  # (T, K) bool after a backward
@@ -441,21 +496,56 @@ class MoELayer(nn.Module):
         base = self.base_placement
         if self.controller is not None:
             return self.controller.slots(base)
-        if self.system != "symi":
+        if self.system not in (*PER_STEP, "ultraep", "laer"):  # fastermoe shadows on every rank
             return None
         fixed = budget.per_rank(self.world)[2] if budget is not None else None
         if fixed is not None:
             return fixed
-        # SYMI default: half as many replica slots as owned experts (at least one)
+        # SYMI default: half as many replica slots as owned experts (at least one); for laer the
+        # experts a rank may assemble in one call
         return [len(base.owned(r)) + max(1, math.ceil(len(base.owned(r)) / 2)) for r in range(self.world)]
 
     def _replan(self) -> None:
         """Re-plan replicas from the smoothed load; the new copies are fetched at the next
         forward (or :meth:`step_end`), every byte counted."""
-        self.placement = plan_replicas(self.base_placement, self._load_E, self._slots_R)
+        if self.system == "flexmoe":
+            self.placement, created = planners.flexmoe_replan(self.placement, self._load_E, self._slots_R,
+                                                              self.costs, FLEXMOE_HORIZON)
+            self._bound_optimizer_bytes += created * ADAM_STATES * self.costs.expert_bytes
+        elif self.system == "smartmoe":
+            if self._pool is None and len(self._trace) >= SMARTMOE_WARMUP:
+                trace_NE = torch.stack(self._trace)
+                self._pool = planners.placement_pool(trace_NE, self.base_placement, self._slots_R, SMARTMOE_POOL)
+            if self._pool is not None:
+                self.placement = self._pool[planners.pick_from_pool(self._pool, self._load_E)]
+        else:
+            node_of = self.node_of if self.system == "topoep" else None
+            self.placement = plan_replicas(self.base_placement, self._load_E, self._slots_R, node_of)
         if self.controller is not None:
             self.controller.check_slots(self.placement)
         self._stale = True
+
+    def _place_call(self, counts_SE: torch.Tensor) -> dict:
+        """Per-call planners: this call's placement from its own counts, copies fetched now
+        (collective, every parameter byte counted). Returns stats of the plan."""
+        counts_E = counts_SE.sum(0)
+        if self.system == "laer":  # assembled in the routed forward, from the slices
+            self.placement = planners.laer_layout(counts_E, self.base_placement, self._slots_R)
+            return {"assembled_experts": self.placement.num_copies}
+        if self.system == "fastermoe":
+            shadow = planners.shadow_experts(counts_SE, self.base_placement, self.costs)
+            owner_E = self.base_placement.owner_E
+            self.placement = self.base_placement.with_replicas(
+                [[e for e in shadow if int(owner_E[e]) != r] for r in range(self.world)])
+            stats = {"shadowed_experts": len(shadow)}
+        else:  # ultraep: replica counts ∝ this call's load; per-replica quotas by assign_min_peak
+            self.placement = plan_replicas(self.base_placement, counts_E.to(torch.float64), self._slots_R)
+            stats = {"replicas": self.placement.num_copies - self.config.num_experts}
+        self._refresh_replicas()
+        return stats
+
+    def _wire(self) -> WireCounter:
+        return WireCounter(node_of=self.node_of)
 
     def _refresh_replicas(self) -> None:
         self._placement_bytes += self.replicas.refresh(
@@ -469,13 +559,15 @@ class MoELayer(nn.Module):
 
     def _observe_load(self, counts_E: torch.Tensor) -> None:
         self._load_E = self.load_ema * self._load_E + (1 - self.load_ema) * counts_E.to(torch.float64)
+        if self.system == "smartmoe" and self._pool is None:
+            self._trace.append(counts_E.to(torch.float64))
 
     @torch.no_grad()
     def step_end(self) -> None:
         """Call after every optimizer step (collective): re-plans replicas when due and
         refreshes every replica from its owner's updated parameters. A no-op without replicas."""
         self._steps += 1
-        if self._slots_R is None:
+        if self._slots_R is None or self.system in PER_CALL:
             return
         if self._steps % self.replan_interval == 0:
             self._replan()
@@ -485,13 +577,17 @@ class MoELayer(nn.Module):
         """What a checkpoint needs beyond the state dict to resume exactly: load statistics,
         step and selection counters, and the replica placement."""
         return {"load_E": self._load_E.clone(), "steps": self._steps, "backward_calls": self._backward_calls,
-                "slots": [list(s) for s in self.placement.slots]}
+                "slots": [list(s) for s in self.placement.slots], "trace": [t.clone() for t in self._trace]}
 
     def load_train_state(self, state: dict) -> None:
         self._load_E = state["load_E"].clone()
         self._steps, self._backward_calls = int(state["steps"]), int(state["backward_calls"])
+        self._trace = [t.clone() for t in state.get("trace", [])]
+        if self.system == "smartmoe" and self._trace and len(self._trace) >= SMARTMOE_WARMUP:
+            self._pool = planners.placement_pool(torch.stack(self._trace), self.base_placement, self._slots_R,
+                                                 SMARTMOE_POOL)
         slots = [tuple(s) for s in state["slots"]]
-        if self._slots_R is not None:
+        if self._slots_R is not None and self.system not in PER_CALL:
             replicas = [[e for e in s if int(self.base_placement.owner_E[e]) != r] for r, s in enumerate(slots)]
             self.placement = self.base_placement.with_replicas(replicas)
             self._stale = True  # refetched from the owners at the next forward
@@ -507,7 +603,7 @@ class MoELayer(nn.Module):
         D = self.config.dim
         if x.dim() not in (2, 3) or x.shape[-1] != D:
             raise ValueError(f"MoELayer expects input of shape (T, {D}) or (B, S, {D}), got {tuple(x.shape)}")
-        if self._slots_R is not None and self._stale:
+        if self.system not in PER_CALL and self._slots_R is not None and self._stale:
             self._refresh_replicas()
         x_TD = x.reshape(-1, D)
         routing = self.router(x_TD)
@@ -531,42 +627,47 @@ class MoELayer(nn.Module):
         return result
 
     # ---------------------------------------------------------------- full-shape views
-    def _local_expert_rows(self) -> list[int]:
-        return list(self.placement.owned(self.rank))
-
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the state dict of the world-size-1 layer, keeping what this rank holds."""
         local = dict(state_dict)
-        idx = torch.tensor(self._local_expert_rows(), dtype=torch.long)
-        for name in ("experts.gate_up_proj", "experts.down_proj"):
+        for name in EXPERT_TENSORS:
             if name not in local:
                 raise KeyError(f"full state dict lacks {name!r}")
-            full = local[name]
-            if full.shape[0] != self.config.num_experts:
+            if local[name].shape[0] != self.config.num_experts:
                 raise ValueError(
-                    f"{name} has {full.shape[0]} experts, the layer's config has {self.config.num_experts}"
+                    f"{name} has {local[name].shape[0]} experts, the layer's config has {self.config.num_experts}"
                 )
-            local[name] = full.index_select(0, idx)
+        full = [local[name] for name in EXPERT_TENSORS]
+        if self.system == "laer":
+            mine = sharding.shard_full(*full, self.rank, self.world)
+        else:
+            idx = torch.tensor(self.base_placement.owned(self.rank), dtype=torch.long)
+            mine = [t.index_select(0, idx) for t in full]
+        local.update(zip(EXPERT_TENSORS, mine))
         self.load_state_dict(local)
-        if self._slots_R is not None:  # every rank has the full tensors: no exchange needed
+        if self._slots_R is not None and self.system not in PER_CALL:  # every rank has the full tensors
             self.replicas.load_from_full(state_dict["experts.gate_up_proj"], state_dict["experts.down_proj"],
                                          self.placement, self.rank)
             self._stale = False
 
-    def _gather_experts(self, local_LXY: torch.Tensor) -> torch.Tensor:
-        """Expert tensors of all owners, in expert order, on every rank."""
-        owned = [self.placement.owned(r) for r in range(self.world)]
-        stacked = comm.all_gather(local_LXY.detach(), [len(o) for o in owned], self.group)
+    def _gather_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Full expert tensors (of the weights or their gradients), in expert order, on every
+        rank: from the owners, or for ``laer`` from every rank's slices."""
+        if self.system == "laer":
+            return dict(zip(EXPERT_TENSORS, sharding.gather_full(gate_up.detach(), down.detach(), self.group)))
+        owned = [self.base_placement.owned(r) for r in range(self.world)]
         order = torch.tensor([e for o in owned for e in o], dtype=torch.long)
-        full = torch.empty_like(stacked)
-        full[order] = stacked
-        return full
+        out = {}
+        for name, local in zip(EXPERT_TENSORS, (gate_up, down)):
+            stacked = comm.all_gather(local.detach(), [len(o) for o in owned], self.group)
+            out[name] = torch.empty_like(stacked)
+            out[name][order] = stacked
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the world-size-1 layer's state dict, on every rank."""
         sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
-        for name in ("experts.gate_up_proj", "experts.down_proj"):
-            sd[name] = self._gather_experts(sd[name])
+        sd.update(self._gather_experts(*(sd[name] for name in EXPERT_TENSORS)))
         return sd
 
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
@@ -577,10 +678,8 @@ class MoELayer(nn.Module):
         grads = {}
         for name, p in self.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            if name.startswith("experts."):
-                grads[name] = self._gather_experts(g)
-            else:
-                grads[name] = comm.all_reduce_sum(g.detach(), self.group)
+            grads[name] = g if name in EXPERT_TENSORS else comm.all_reduce_sum(g.detach(), self.group)
+        grads.update(self._gather_experts(*(grads[name] for name in EXPERT_TENSORS)))
         return grads
 
     # ---------------------------------------------------------------- training hooks

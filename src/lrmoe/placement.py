@@ -87,6 +87,11 @@ class Placement:
         flat = [e for experts in self.slots for e in experts]
         return flat == list(range(self.num_experts))
 
+    @cached_property
+    def owners_only(self) -> bool:
+        """Every expert computed by its owner alone (no replicas)."""
+        return all(hs == [int(self.owner_E[e])] or not hs for e, hs in enumerate(self.holder_lists))
+
     def owner_assignment(self, counts_SE: torch.Tensor) -> torch.Tensor:
         """assign_ESR for single-copy placement: every pair of expert e goes to its owner."""
         S, E = counts_SE.shape
@@ -95,14 +100,51 @@ class Placement:
         return assign_ESR
 
 
-def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int]) -> Placement:
+def copies_by_load(load: list[float], copies: list[int], free_slots: int, world: int) -> list[int]:
+    """Hand ``free_slots`` more copies out one at a time, each to the expert with the largest
+    load per copy (D'Hondt; ties to the lower expert id), never more copies than ranks and none
+    to an expert without load. ``copies`` gives the starting counts."""
+    copies = list(copies)
+    E = len(load)
+    for _ in range(free_slots):
+        e = max(range(E), key=lambda e: (load[e] / max(copies[e], 1) if copies[e] < world else -1.0, -e))
+        if copies[e] >= world or load[e] <= 0:
+            break
+        copies[e] += 1
+    return copies
+
+
+def place_copies(units: list[tuple[float, int]], rank_load: list[float], free: list[int],
+                 holds: list[set[int]], node_of: list[int] | None = None) -> list[list[int]]:
+    """LPT: copies (share of load, expert), heaviest first, each to the least-loaded rank with a
+    free slot that does not hold the expert yet. With ``node_of`` (rank → node) the peak comes
+    first, to within one row, and a node that lacks the expert second, so that more pairs can
+    stay inside their node. Updates ``rank_load``, ``free`` and ``holds``; returns the experts
+    placed on each rank."""
+    placed: list[list[int]] = [[] for _ in rank_load]
+    for share, e in sorted(units, key=lambda u: (-u[0], u[1])):
+        options = [r for r in range(len(rank_load)) if free[r] > 0 and e not in holds[r]]
+        if not options:
+            continue
+        if node_of is None:
+            r = min(options, key=lambda r: (rank_load[r], r))
+        else:
+            nodes_with_e = {node_of[q] for q in range(len(rank_load)) if e in holds[q]}
+            r = min(options, key=lambda r: (round(rank_load[r]), node_of[r] in nodes_with_e, rank_load[r], r))
+        placed[r].append(e)
+        holds[r].add(e)
+        free[r] -= 1
+        rank_load[r] += share
+    return placed
+
+
+def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int],
+                  node_of: list[int] | None = None) -> Placement:
     """Replica placement from (smoothed) expert load: copies ∝ load, at least one per expert
     (the owner's), at most ``slots_R[r]`` experts on rank r, min-peak.
 
-    Copies: each free slot in turn goes to the expert with the largest load per copy (D'Hondt,
-    ties to the lower expert id), never more copies than ranks. Placement: copies, heaviest
-    per-copy load first (LPT), go to the least-loaded rank with a free slot that does not hold
-    the expert yet; rank loads start from the owners' shares. Deterministic.
+    Copies: :func:`copies_by_load`. Placement: :func:`place_copies`, rank loads starting from
+    the owners' shares (``node_of``: topology-aware tie-breaking). Deterministic.
     """
     E, W = base.num_experts, base.world
     load = [max(float(v), 0.0) for v in load_E.tolist()]
@@ -111,27 +153,8 @@ def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int]) -> 
     if any(f < 0 for f in free):
         r = min(range(W), key=lambda r: free[r])
         raise ValueError(f"rank {r} has {slots_R[r]} expert slots but owns {len(owned[r])} experts")
-    copies = [1] * E
-    for _ in range(sum(free)):
-        e = max(range(E), key=lambda e: (load[e] / copies[e] if copies[e] < W else -1.0, -e))
-        if copies[e] >= W or load[e] <= 0:
-            break
-        copies[e] += 1
-    rank_load = [0.0] * W
-    for r in range(W):
-        for e in owned[r]:
-            rank_load[r] += load[e] / copies[e]
-    units = sorted(((load[e] / copies[e], e) for e in range(E) for _ in range(copies[e] - 1)),
-                   key=lambda u: (-u[0], u[1]))
-    replicas: list[list[int]] = [[] for _ in range(W)]
-    holds = [set(owned[r]) for r in range(W)]
-    for share, e in units:
-        options = [r for r in range(W) if free[r] > 0 and e not in holds[r]]
-        if not options:
-            continue
-        r = min(options, key=lambda r: (rank_load[r], r))
-        replicas[r].append(e)
-        holds[r].add(e)
-        free[r] -= 1
-        rank_load[r] += share
+    copies = copies_by_load(load, [1] * E, sum(free), W)
+    rank_load = [sum(load[e] / copies[e] for e in owned[r]) for r in range(W)]
+    units = [(load[e] / copies[e], e) for e in range(E) for _ in range(copies[e] - 1)]
+    replicas = place_copies(units, rank_load, free, [set(o) for o in owned], node_of)
     return base.with_replicas(replicas)

@@ -5,8 +5,9 @@ The target is the validation loss ``static`` reaches at ``target_fraction`` of i
 target or ``budget_factor`` × static's budget. Written to the output folder:
 
 - ``results.json``: ``{"target_loss", "unigram_loss", "systems": {name: {"steps_to_target",
-  "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes"}}}``
-  (bytes totalled over the run, memory the max over ranks; null where never reached);
+  "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes", "a2a_bytes",
+  "placement_bytes"}}}`` (bytes totalled over the run, memory the max over ranks; null where
+  never reached);
 - ``report.md``: the table; ``val_loss_vs_moe_time.png``, ``kept_ratio.png``,
   ``expert_load.png``: the plots; one folder per system with its own run.
 """
@@ -22,12 +23,19 @@ import numpy as np
 
 from lrmoe.train.config import ConfigError, RunConfig, parse_system_name
 
-RESULT_KEYS = ("steps_to_target", "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes")
+RESULT_KEYS = ("steps_to_target", "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes",
+               "a2a_bytes", "placement_bytes")
 
 
-def system_config(cfg: RunConfig, name: str) -> RunConfig:
-    """The run config of one compared system (see :func:`parse_system_name`)."""
+def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunConfig:
+    """The run config of one compared system (see :func:`parse_system_name`). ``smartmoe`` builds
+    its offline pool from ``train.routing_trace`` or else from ``trace`` (static's routing.npz,
+    recorded earlier in the same comparison) when it exists; the others take no trace."""
     system, selection, ratio = parse_system_name(name)
+    if system != "smartmoe":
+        cfg = cfg.with_train(routing_trace="")
+    elif not cfg.train.routing_trace and trace is not None and trace.exists():
+        cfg = cfg.with_train(routing_trace=str(trace))
     backward = cfg.backward
     try:
         if selection:
@@ -53,6 +61,7 @@ def summarise(name: str, folder: Path, target: float) -> dict:
         "moe_time_to_target_s": hit["moe_time_s"] if hit else None,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "bwd_a2a_bytes": int(sum(r.get("bwd_a2a_bytes", 0) for r in rows)),
+        "a2a_bytes": int(sum(r.get("a2a_bytes", 0) for r in rows)),
         "peak_expert_side_bytes": int(max((r.get("peak_expert_side_bytes", 0) for r in rows), default=0)),
         "steps_run": rows[-1]["step"] if rows else 0,
         "moe_time_s": rows[-1]["moe_time_s"] if rows else 0.0,
@@ -66,9 +75,9 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
         "# lrmoe compare", "",
         f"Target validation loss: **{target:.4f}** (unigram loss of the corpus: {unigram:.4f}; "
         f"the target is {100 * (1 - target / unigram):.1f}% below it).", "",
-        "| system | steps to target | MoE time to target (s) | final val loss | bwd a2a bytes | "
+        "| system | steps to target | MoE time to target (s) | final val loss | a2a bytes | bwd a2a bytes | "
         "peak expert-side bytes | mean kept ratio | placement bytes |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(v, spec):
@@ -77,7 +86,8 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
     for name, r in systems.items():
         lines.append(
             f"| {name} | {fmt(r['steps_to_target'], 'd')} | {fmt(r['moe_time_to_target_s'], '.2f')} | "
-            f"{fmt(r['final_val_loss'], '.4f')} | {r['bwd_a2a_bytes']:,} | {r['peak_expert_side_bytes']:,} | "
+            f"{fmt(r['final_val_loss'], '.4f')} | {r['a2a_bytes']:,} | {r['bwd_a2a_bytes']:,} | "
+            f"{r['peak_expert_side_bytes']:,} | "
             f"{fmt(r['mean_kept_ratio'], '.3f')} | {r['placement_bytes']:,} |")
     lines += ["", "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
     text = "\n".join(lines)

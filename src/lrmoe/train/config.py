@@ -44,6 +44,7 @@ class TrainConfig:
     capacity_factor: float = 1.25
     replan_interval: int = 10
     on_nonfinite: str = "skip"  # "skip" the step or "stop" the run
+    routing_trace: str = ""  # smartmoe: a routing.npz of an earlier run for its offline pool
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -70,6 +71,9 @@ class TrainConfig:
             raise ConfigError(f"train.vocab_size={self.vocab_size} is invalid: a byte-level BPE needs >= 260")
         if self.ep_size and self.nproc % self.ep_size:
             raise ConfigError(f"train.ep_size={self.ep_size} is invalid: it must divide nproc={self.nproc}")
+        if self.routing_trace and self.system != "smartmoe":
+            raise ConfigError(f"train.routing_trace={self.routing_trace!r} is used by system 'smartmoe', "
+                              f"not {self.system!r}")
         if self.on_nonfinite not in ("skip", "stop"):
             raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
 
@@ -116,6 +120,10 @@ class RunConfig:
     backward: BackwardConfig = field(default_factory=BackwardConfig)
     budget: ClusterBudget | None = None
     compare: CompareConfig = field(default_factory=CompareConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.system == "topoep" and (self.budget is None or self.budget.ranks_per_node is None):
+            raise ConfigError("train.system='topoep' needs the topology: [budget] ranks_per_node = ...")
 
     def with_train(self, **overrides) -> RunConfig:
         return replace(self, train=replace(self.train, **overrides))

@@ -15,13 +15,15 @@ both are divided by W. AdamW keeps expert optimizer state at owners only.
 | ``loss`` | training cross entropy, mean over all ranks' tokens |
 | ``val_loss`` | validation cross entropy (only on evaluation steps) |
 | ``moe_fwd_ms``, ``moe_bwd_ms`` | routed forward / backward time this step, sum over layers, max over ranks |
-| ``moe_time_s`` | cumulative moe_fwd_ms + moe_bwd_ms (seconds) since step 1 |
+| ``moe_placement_ms`` | ``step_end`` time this step (replica re-planning and refresh), max over ranks |
+| ``moe_time_s`` | cumulative moe_fwd_ms + moe_bwd_ms + moe_placement_ms (seconds) since step 1 |
 | ``a2a_bytes`` | all-to-all bytes sent this step, forward + backward, all layers, all ranks |
 | ``bwd_a2a_bytes`` | the backward's share of them |
 | ``kept_ratio`` | backward pairs kept / routed, all layers |
 | ``load_min``, ``load_max``, ``load_cv`` | per MoE layer: expert load min, max, coefficient of variation |
 | ``peak_expert_side_bytes`` | max over layers and ranks |
-| ``placement_bytes`` | expert parameter bytes moved for replicas this step, all ranks |
+| ``placement_bytes`` | expert parameter bytes moved this step (replicas, shadows, assembled slices), all ranks |
+| ``a2a_inter_bytes`` | the part of ``a2a_bytes`` that crossed nodes (only with ``[budget] ranks_per_node``) |
 | ``tokens_per_s`` | training tokens per second, all ranks |
 | ``skipped`` | the step was skipped for a non-finite loss or gradient |
 
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from lrmoe import comm
-from lrmoe.layer import MoELayer
+from lrmoe.layer import TAKES_BUDGET, MoELayer
 from lrmoe.models import MoETransformer
 from lrmoe.train import checkpoint
 from lrmoe.train.config import RunConfig
@@ -87,11 +89,13 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
     torch.manual_seed(cfg.train.seed)
     full = MoETransformer(model_cfg).state_dict()
     t = cfg.train
-    budget = cfg.budget if t.system == "lrmoe" else None
+    budget = cfg.budget if t.system in TAKES_BUDGET else None
+    trace_SLE = _routing_trace(t.routing_trace, model_cfg) if t.routing_trace else None
 
     def make_moe(i: int) -> MoELayer:
         return MoELayer(model_cfg.moe, system=t.system, group=groups.ep_group, backward=cfg.backward,
-                        budget=budget, capacity_factor=t.capacity_factor, replan_interval=t.replan_interval)
+                        budget=budget, capacity_factor=t.capacity_factor, replan_interval=t.replan_interval,
+                        routing_trace=None if trace_SLE is None else trace_SLE[:, i - model_cfg.first_dense_layers])
 
     model = MoETransformer(model_cfg, make_moe)
     moe_prefixes = {name for name, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -102,6 +106,19 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
         layer.load_full_state_dict({k[len(prefix) + 1 :]: v for k, v in full.items() if k.startswith(prefix + ".")})
     assert all(any(k.startswith(p + ".") for p in moe_prefixes) for k in missing), missing
     return model
+
+
+def _routing_trace(path: str, model_cfg) -> torch.Tensor:
+    """(steps, MoE layers, experts) counts of an earlier run's routing.npz, checked against the model."""
+    try:
+        counts = np.load(path)["counts"]
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"train.routing_trace={path!r} cannot be read as a routing.npz with 'counts': {e}") from None
+    want = (model_cfg.n_layers - model_cfg.first_dense_layers, model_cfg.moe.num_experts)
+    if counts.ndim != 3 or counts.shape[1:] != want or not len(counts):
+        raise ValueError(f"train.routing_trace={path!r} holds counts of shape {counts.shape}, expected "
+                         f"(steps, {want[0]}, {want[1]}) for this model")
+    return torch.from_numpy(counts.astype(np.float64))
 
 
 def reduce_gradients(model: torch.nn.Module, groups: Groups) -> None:
@@ -160,7 +177,9 @@ def _step_metrics(model: MoETransformer, groups: Groups) -> dict:
                        max((s.get("peak_expert_side_bytes", 0) for s in stats), default=0)], dtype=torch.float64)
     sm = torch.tensor([sum(s.get("fwd_a2a_bytes", 0) + s.get("bwd_a2a_bytes", 0) for s in stats),
                        sum(s.get("placement_bytes", 0) for s in stats),
-                       sum(s.get("bwd_a2a_bytes", 0) for s in stats)], dtype=torch.float64)
+                       sum(s.get("bwd_a2a_bytes", 0) for s in stats),
+                       sum(s.get("fwd_a2a_inter_bytes", 0) + s.get("bwd_a2a_inter_bytes", 0) for s in stats)],
+                      dtype=torch.float64)
     _all_reduce(mx, groups.world_group, dist.ReduceOp.MAX)
     _all_reduce(sm, groups.world_group)
     counts = torch.stack([s["counts_E"].to(torch.float64) for s in stats]) if stats else torch.zeros(0, 1)
@@ -172,6 +191,7 @@ def _step_metrics(model: MoETransformer, groups: Groups) -> dict:
     return {
         "moe_fwd_ms": float(mx[0]), "moe_bwd_ms": float(mx[1]), "peak_expert_side_bytes": int(mx[2]),
         "a2a_bytes": int(sm[0]), "bwd_a2a_bytes": int(sm[2]), "placement_bytes": int(sm[1]),
+        **({"a2a_inter_bytes": int(sm[3])} if any("fwd_a2a_inter_bytes" in s for s in stats) else {}),
         "kept_ratio": float(kept.sum() / counts.sum().clamp(min=1)),
         "load_min": counts.min(1).values.tolist(), "load_max": counts.max(1).values.tolist(),
         "load_cv": (counts.std(1, unbiased=False) / mean).tolist(),
@@ -230,13 +250,18 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
             opt.step()
         opt.zero_grad(set_to_none=True)
         m = _step_metrics(model, groups)
+        placement_s = 0.0
         for layer in model.moe_layers:
-            layer.step_end()
+            t_place = time.perf_counter()
+            layer.step_end()  # re-planning and replica refresh: MoE time too
+            placement_s += time.perf_counter() - t_place
             if layer.router.e_score_correction_bias is not None and t.bias_update_rate > 0:
                 counts = _all_reduce(layer.last_stats["counts_E"].to(torch.float64), groups.dp_group)
                 layer.update_router_bias(counts, t.bias_update_rate)
         ce_mean = _all_reduce(ce.detach().to(torch.float64).reshape(1), groups.world_group) / groups.world
-        history["moe_time_s"] += (m["moe_fwd_ms"] + m["moe_bwd_ms"]) / 1e3
+        m["moe_placement_ms"] = float(_all_reduce(torch.tensor([placement_s * 1e3], dtype=torch.float64),
+                                                  groups.world_group, dist.ReduceOp.MAX))
+        history["moe_time_s"] += (m["moe_fwd_ms"] + m["moe_bwd_ms"] + m["moe_placement_ms"]) / 1e3
         history["routing"].append(m.pop("_counts").numpy().tolist())
         record = {"step": step + 1, "loss": float(ce_mean), **m, "moe_time_s": history["moe_time_s"],
                   "tokens_per_s": groups.world * ids.numel() / max(time.time() - t0, 1e-9), "skipped": skipped}

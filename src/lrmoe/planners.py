@@ -1,0 +1,236 @@
+"""Planners of the replication family (supply side): where expert copies live and which copy
+computes which pairs, from routing counts. Pure, deterministic functions of values every rank
+holds identically (global counts, smoothed load, a shared trace), so every rank plans the same
+without another exchange. ``docs/systems.md`` says what of each published mechanism is
+reproduced here and what is not.
+
+- ``fastermoe``: :func:`shadow_experts` (per call, cost model: broadcast weights vs send rows)
+  and :func:`local_assignment` (shadowed experts compute their pairs where they originate);
+- ``flexmoe``: :func:`flexmoe_replan` (greedy replicate/migrate moves, applied only when the
+  predicted gain over a horizon exceeds the migration cost, optimizer state included);
+- ``smartmoe``: :func:`placement_pool` (offline, from a routing trace) and :func:`pick_from_pool`
+  (online, per step);
+- ``laer``: :func:`laer_layout` (per call: which experts each rank assembles from shards);
+- ``topoep``: :func:`localize` (same peak, fewest cross-node rows), with
+  :func:`lrmoe.placement.plan_replicas` given the rank → node map;
+- ``ultraep`` needs nothing new: :func:`~lrmoe.placement.plan_replicas` on the call's own counts,
+  then :func:`~lrmoe.balance.assign_min_peak` (per-replica token quotas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
+
+ADAM_STATES = 2  # optimizer state per parameter moved with a bound (FlexMoE) replica
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What the cost-driven planners (fastermoe, flexmoe) believe about the hardware.
+
+    ``row_s``: seconds to push one pair through an expert, forward and backward (≈ 18·D·F FLOPs
+    at ``gemm_flops``); ``byte_s``: seconds per byte on a rank's link. Defaults: 1 TFLOP/s and
+    100 Gbit/s; a :class:`~lrmoe.config.ClusterBudget` with ``inter_node_gbps`` sets the link.
+    """
+
+    dim: int
+    ffn_dim: int
+    elem_bytes: int
+    gemm_flops: float = 1e12
+    link_gbps: float = 100.0
+
+    @property
+    def row_s(self) -> float:
+        return 18 * self.dim * self.ffn_dim / self.gemm_flops
+
+    @property
+    def byte_s(self) -> float:
+        return 8 / (self.link_gbps * 1e9)
+
+    @property
+    def expert_bytes(self) -> int:
+        return 3 * self.dim * self.ffn_dim * self.elem_bytes
+
+    @property
+    def row_wire_bytes(self) -> int:
+        """A remote pair crosses the link four times: x out, y back, dy out, dx back."""
+        return 4 * self.dim * self.elem_bytes
+
+
+# ------------------------------------------------------------------------------- fastermoe
+def _shadow_time(counts_SE: np.ndarray, owner_E: np.ndarray, shadow: np.ndarray, cost: CostModel) -> float:
+    """Predicted step time of the routed experts with ``shadow`` (bool, E) experts on every rank:
+    the slowest rank's compute plus its token traffic, plus the owners' weight broadcasts and
+    gradient reductions, which FasterMoE overlaps with nothing."""
+    S, E = counts_SE.shape
+    local = counts_SE * shadow  # shadowed pairs stay where they come from
+    remote = counts_SE * ~shadow
+    to_owner_R = np.bincount(owner_E, weights=remote.sum(0), minlength=S)
+    kept_home_R = np.array([remote[s, owner_E == s].sum() for s in range(S)])
+    rows_R = local.sum(1) + to_owner_R
+    sent_R = remote.sum(1) - kept_home_R
+    recv_R = to_owner_R - kept_home_R
+    wire_R = np.maximum(sent_R, recv_R) * cost.row_wire_bytes
+    per_rank = rows_R * cost.row_s + wire_R * cost.byte_s
+    n_shadow_R = np.bincount(owner_E[shadow], minlength=S)
+    broadcast_R = n_shadow_R * 2 * (S - 1) * cost.expert_bytes * cost.byte_s
+    return float((per_rank + broadcast_R).max())
+
+
+def shadow_experts(counts_SE: torch.Tensor, base: Placement, cost: CostModel) -> list[int]:
+    """FasterMoE's dynamic shadowing decision for one call: experts by descending load, each
+    shadowed while the predicted time keeps falling (the first that does not help stops it)."""
+    counts = counts_SE.numpy().astype(np.float64)
+    owner_E = base.owner_E.numpy()
+    shadow = np.zeros(counts.shape[1], bool)
+    best = _shadow_time(counts, owner_E, shadow, cost)
+    for e in np.argsort(-counts.sum(0), kind="stable"):
+        if counts[:, e].sum() == 0:
+            break
+        shadow[e] = True
+        t = _shadow_time(counts, owner_E, shadow, cost)
+        if t >= best:
+            shadow[e] = False
+            break
+        best = t
+    return sorted(int(e) for e in np.flatnonzero(shadow))
+
+
+def local_assignment(counts_SE: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """assign_ESR where every pair is computed on its source rank if that rank holds the
+    expert, else by the expert's owner."""
+    S, E = counts_SE.shape
+    assign_ESR = placement.owner_assignment(counts_SE)
+    held_SE = placement.slot_index >= 0  # (W = S, E)
+    src, exp = held_SE.nonzero(as_tuple=True)
+    owner = placement.owner_E[exp]
+    moved = counts_SE[src, exp]
+    assign_ESR[exp, src, owner] -= moved
+    assign_ESR[exp, src, src] += moved
+    return assign_ESR
+
+
+# ------------------------------------------------------------------------------- flexmoe
+def predicted_rank_load(placement: Placement, load_E: list[float]) -> list[float]:
+    """Each expert's load split evenly over its copies (what a min-peak spread approaches)."""
+    out = [0.0] * placement.world
+    for e, hs in enumerate(placement.holder_lists):
+        for r in hs:
+            out[r] += load_E[e] / len(hs)
+    return out
+
+
+def flexmoe_replan(current: Placement, load_E: torch.Tensor, slots_R: list[int], cost: CostModel,
+                   horizon: int) -> tuple[Placement, int]:
+    """FlexMoE's greedy re-placement: repeatedly relieve the most loaded rank by a replica of its
+    heaviest expert on the least-loaded rank not holding it — into a free slot (replicate) or in
+    place of that rank's coldest replica (migrate) — while the predicted peak falls. The result
+    is adopted only if the peak saved over ``horizon`` steps outweighs moving the new replicas'
+    parameters and their bound optimizer state. Returns (placement, expert copies created)."""
+    load = [max(float(v), 0.0) for v in load_E.tolist()]
+    W = current.world
+    replicas = [list(current.replicas(r)) for r in range(W)]
+    plan = current
+    peak0 = peak = max(predicted_rank_load(plan, load))
+    for _ in range(current.num_experts * W):
+        rank_load = predicted_rank_load(plan, load)
+        hot = max(range(W), key=lambda r: (rank_load[r], -r))
+        e = max(plan.slots[hot], key=lambda e: (load[e] / len(plan.holders(e)), -e))
+        options = [r for r in range(W) if e not in plan.slots[r]]
+        if not options:
+            break
+        t = min(options, key=lambda r: (rank_load[r], r))
+        trial = [list(x) for x in replicas]
+        if len(plan.slots[t]) >= slots_R[t]:
+            if not trial[t]:
+                break
+            cold = min(trial[t], key=lambda u: (load[u] / len(plan.holders(u)), u))
+            trial[t].remove(cold)
+        trial[t].append(e)
+        candidate = current.with_replicas(trial)
+        new_peak = max(predicted_rank_load(candidate, load))
+        if new_peak >= peak:
+            break
+        plan, replicas, peak = candidate, trial, new_peak
+    created = sum(len(set(plan.replicas(r)) - set(current.replicas(r))) for r in range(W))
+    gain_s = (peak0 - peak) * cost.row_s * horizon
+    move_s = created * cost.expert_bytes * (1 + ADAM_STATES) * cost.byte_s
+    if created and gain_s > move_s:
+        return plan, created
+    return current, 0
+
+
+# ------------------------------------------------------------------------------- smartmoe
+def placement_pool(trace_NE: torch.Tensor, base: Placement, slots_R: list[int], size: int) -> list[Placement]:
+    """SmartMoE's offline phase: cluster the trace's load vectors (normalised per step) into
+    ``size`` centroids by k-means (farthest-point initialisation from step 0, 20 Lloyd rounds,
+    deterministic) and plan one replica placement per centroid."""
+    loads = trace_NE.to(torch.float64).numpy()
+    if loads.ndim != 2 or loads.shape[1] != base.num_experts or not len(loads):
+        raise ValueError(f"routing trace must be (steps, {base.num_experts}) with at least one step, "
+                         f"got {tuple(loads.shape)}")
+    X = loads / np.maximum(loads.sum(1, keepdims=True), 1e-12)
+    k = min(size, len(X))
+    centres = [X[0]]
+    for _ in range(1, k):
+        d = np.min([((X - c) ** 2).sum(1) for c in centres], axis=0)
+        centres.append(X[int(np.argmax(d))])
+    C = np.stack(centres)
+    for _ in range(20):
+        label = np.argmin(((X[:, None, :] - C[None]) ** 2).sum(2), axis=1)
+        C = np.stack([X[label == j].mean(0) if (label == j).any() else C[j] for j in range(k)])
+    return [plan_replicas(base, torch.from_numpy(c), slots_R) for c in C]
+
+
+def pick_from_pool(pool: list[Placement], load_E: torch.Tensor) -> int:
+    """SmartMoE's online phase: the pool entry with the lowest predicted peak for ``load_E``."""
+    load = [float(v) for v in load_E.tolist()]
+    return min(range(len(pool)), key=lambda i: (max(predicted_rank_load(pool[i], load)), i))
+
+
+# ------------------------------------------------------------------------------- laer
+def laer_layout(counts_E: torch.Tensor, base: Placement, slots_R: list[int]) -> Placement:
+    """LAER-MoE's per-call layout: with every expert sharded over all ranks any rank can
+    assemble any expert, so the planner starts from nothing — one copy of each expert that has
+    pairs, more for heavy ones (D'Hondt within the ranks' assembly slots), placed LPT.
+    ``owner_E`` of the result is each expert's first holder (experts without pairs keep the
+    static owner, and no rank assembles them)."""
+    E, W = base.num_experts, base.world
+    load = [float(v) for v in counts_E.tolist()]
+    needed = [e for e in range(E) if load[e] > 0]
+    if len(needed) > sum(slots_R):
+        raise ValueError(f"{len(needed)} experts have pairs but the ranks can assemble only {sum(slots_R)}")
+    copies = copies_by_load(load, [1 if load[e] > 0 else 0 for e in range(E)], sum(slots_R) - len(needed), W)
+    units = [(load[e] / copies[e], e) for e in needed for _ in range(copies[e])]
+    slots = place_copies(units, [0.0] * W, list(slots_R), [set() for _ in range(W)])
+    owner_E = base.owner_E.clone()
+    for r in reversed(range(W)):
+        for e in slots[r]:
+            owner_E[e] = r
+    return Placement(E, tuple(tuple(sorted(s)) for s in slots), owner_E)
+
+
+# ------------------------------------------------------------------------------- topoep
+def localize(assign_ESR: torch.Tensor, node_of: list[int]) -> torch.Tensor:
+    """Re-match sources to holders without changing any rank's rows of any expert (so the peak
+    is unchanged): first on the source rank itself, then inside its node, then across nodes, in
+    rank order. For fixed per-holder totals this minimises the pairs that cross nodes."""
+    E, S, R = assign_ESR.shape
+    supply_ES = assign_ESR.sum(2).clone()
+    demand_ER = assign_ESR.sum(1).clone()
+    out = torch.zeros_like(assign_ESR)
+    node = torch.tensor(node_of)
+    stages = [torch.eye(S, R, dtype=torch.bool), node[:S, None] == node[None, :R], torch.ones(S, R, dtype=torch.bool)]
+    for allowed in stages:
+        for s in range(S):
+            for r in allowed[s].nonzero().squeeze(1).tolist():
+                take = torch.minimum(supply_ES[:, s], demand_ER[:, r])
+                out[:, s, r] += take
+                supply_ES[:, s] -= take
+                demand_ER[:, r] -= take
+    return out
