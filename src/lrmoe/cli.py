@@ -108,6 +108,37 @@ def cmd_compare(args) -> None:
     print(f"report: {out}/report.md  plots: {out}/val_loss_vs_moe_time.png, kept_ratio.png, expert_load.png")
 
 
+def _floats(flag: str, text: str) -> tuple[float, ...]:
+    from lrmoe.sim.errors import SimError
+
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SimError(f"--{flag}={text!r} is invalid: expected comma-separated numbers") from None
+
+
+def cmd_simulate(args) -> None:
+    """Paper-scale projection (docs/simulation.md); bad input exits 2 with one line."""
+    from lrmoe.sim.errors import SimError
+    from lrmoe.sim.models import MODELS
+    from lrmoe.sim.run import SimConfig, project
+
+    models = sorted(MODELS) if args.model == "all" else [args.model]
+    try:
+        cfgs = [SimConfig(model=m, gpus=args.gpus, memory_caps_gib=_floats("gpu-memory", args.gpu_memory),
+                          link_gbps=args.link_gbps, trace=args.trace, compare=args.compare, steps=args.steps,
+                          layers=args.layers, tokens_per_gpu=args.tokens_per_gpu,
+                          ratios=_floats("ratios", args.ratios), selection=args.selection,
+                          lrmoe_slots=args.lrmoe_slots, zipf=args.zipf, seed=args.seed) for m in models]
+        out = Path(args.out)
+        project(cfgs, out, progress=not args.quiet)
+    except SimError as e:
+        print(f"lrmoe: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print((out / "table.md").read_text())
+    print(f"wrote {out}/table.md, results.json, memory_sensitivity.png, bandwidth_sensitivity.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="lrmoe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,6 +154,26 @@ def main(argv: list[str] | None = None) -> None:
     _common(cp)
     cp.add_argument("--systems", help="comma-separated, e.g. static,symi,lrmoe@0.5 (overrides compare.systems)")
     cp.set_defaults(fn=cmd_compare)
+    sm = sub.add_parser("simulate", help="paper-scale projection of time to target and memory (docs/simulation.md)")
+    sm.add_argument("--model", required=True, help="qwen3-30b-a3b, glm45-air or all")
+    sm.add_argument("--gpus", type=int, required=True, help="GPUs in the expert-parallel group (8 per node)")
+    sm.add_argument("--gpu-memory", required=True, help="memory cap per GPU in GiB; a comma list for several")
+    sm.add_argument("--link-gbps", type=float, default=400.0, help="inter-node Gbit/s per GPU (default 400)")
+    sm.add_argument("--trace", help="routing.npz of an `lrmoe train` run (default: Zipf skew model)")
+    sm.add_argument("--compare", help="results.json of an `lrmoe compare` run (default: the shipped one)")
+    sm.add_argument("--steps", type=int, default=20, help="simulated steps (default 20)")
+    sm.add_argument("--layers", type=int, default=4, help="representative MoE layers (default 4)")
+    sm.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
+    sm.add_argument("--ratios", default="0.5", help="lrmoe quota ratio caps, comma list (default 0.5)")
+    sm.add_argument("--selection", default="sampled", help="lrmoe variant whose steps to target apply: "
+                    "lrm, sampled or random (default sampled)")
+    sm.add_argument("--lrmoe-slots", default="symi", help="lrmoe replica slots: symi (same count as symi, "
+                    "default) or budget (the controller's share of memory)")
+    sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--quiet", action="store_true", help="no progress bar")
+    sm.add_argument("--out", required=True, help="output folder")
+    sm.set_defaults(fn=cmd_simulate)
     args = ap.parse_args(argv)
     for name in ("nproc", "ep_size", "steps", "max_restarts"):
         v = getattr(args, name, None)

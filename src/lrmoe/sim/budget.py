@@ -1,0 +1,97 @@
+"""A GPU's memory cap → each system's whole-step memory, and lrmoe's per-layer budget.
+
+A training step holds, per GPU and for every MoE layer at once: the layer's expert copies
+(parameters + gradient buffers, :func:`slot_bytes`), the owned experts' optimizer state, the
+home-side tensors (:func:`home_bytes`), the router's and shared expert's state and activations;
+and, when the backward begins, what each layer's expert side kept from its forward
+(:func:`kept_between_passes`: rows and activations for static-like systems, nothing for lrmoe).
+On top comes the transient peak of the one layer being computed (its
+``peak_expert_side_bytes`` less its slots, already counted). The representative layers stand
+for all: kept bytes are their mean times the other layers, the transient their maximum.
+
+lrmoe's :class:`ClusterBudget` is the largest per-layer budget M whose step fits the cap: the
+other layers' slots (the controller's, for that M) and states plus M itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lrmoe.config import ClusterBudget
+from lrmoe.controller import Controller
+from lrmoe.placement import Placement
+from lrmoe.sim.errors import SimError
+from lrmoe.sim.memory import home_bytes, slot_bytes
+from lrmoe.sim.models import ModelSpec
+from lrmoe.sim.plan import LayerCall
+
+GIB = 1 << 30
+
+
+def dense_bytes(spec: ModelSpec, tokens: int, s: int, optimizer_bytes_per_param: float) -> int:
+    """Router and shared expert of one layer: parameters, gradients, optimizer state and the
+    activations autograd keeps (x's gate, up, h of the shared expert, router logits)."""
+    params = spec.num_experts * spec.dim + 3 * spec.dim * spec.shared_ffn_dim
+    acts = tokens * (3 * spec.shared_ffn_dim * s + spec.num_experts * 4)
+    return int(params * (2 * s + optimizer_bytes_per_param) + acts)
+
+
+def per_layer_state(spec: ModelSpec, tokens: int, s: int, opt: float, selective: bool, owned: int) -> int:
+    """Bytes of one layer that do not depend on placement: optimizer, home side, dense part."""
+    return int(owned * 3 * spec.dim * spec.ffn_dim * opt + home_bytes(tokens, spec.dim, spec.top_k, s, selective)
+               + dense_bytes(spec, tokens, s, opt))
+
+
+def step_peak_bytes(spec: ModelSpec, calls: list[list[LayerCall]], s: int, opt: float) -> int:
+    """Peak bytes per GPU of a whole training step (max over ranks and simulated steps);
+    ``calls[step][layer]`` are the representative layers' calls."""
+    L = spec.moe_layers
+    worst = 0
+    for layer_calls in calls:
+        c0 = layer_calls[0]
+        slots_R = np.array([slot_bytes(spec.dim, spec.ffn_dim, s, int(c), int(o))
+                            for c, o in zip(c0.copies_R, c0.owned_R)])
+        state_R = np.array([per_layer_state(spec, c0.tokens_per_rank, s, opt, c0.system == "lrmoe", int(o))
+                            for o in c0.owned_R])
+        kept_R = np.mean([c.kept_bytes_R for c in layer_calls], axis=0)
+        transient_R = np.max([c.peak_R for c in layer_calls], axis=0) - slots_R
+        total_R = L * (slots_R + state_R) + (L - 1) * kept_R + transient_R
+        worst = max(worst, int(total_R.max()))
+    return worst
+
+
+def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: int, opt: float,
+                 slots: int | None = None) -> int:
+    """Largest per-layer expert-side budget M (bytes per rank) whose whole step fits the cap."""
+    config = spec.moe_config()
+    base = Placement.static(spec.num_experts, world)
+    owned = max(len(base.owned(r)) for r in range(world))
+    state = per_layer_state(spec, tokens, s, opt, True, owned)
+
+    def step(M: int) -> int | None:
+        try:
+            slots_R = Controller(config, ClusterBudget(memory_bytes=M, slots=slots), world).slots(base)
+        except ValueError:
+            return None
+        copies = max(slots_R)
+        return (spec.moe_layers - 1) * slot_bytes(spec.dim, spec.ffn_dim, s, copies, owned) \
+            + spec.moe_layers * state + M
+
+    lo, hi = 1, cap_bytes
+    best = None
+    for _ in range(60):
+        if lo > hi:
+            break
+        mid = (lo + hi) // 2
+        need = step(mid)
+        if need is not None and need <= cap_bytes:
+            best, lo = mid, mid + 1
+        elif need is None:
+            lo = mid + 1  # below the owned experts' slots: a larger M may fit
+        else:
+            hi = mid - 1
+    if best is None:
+        least = 2 * owned * 3 * spec.dim * spec.ffn_dim * s
+        raise SimError(f"lrmoe: a {cap_bytes / GIB:.1f} GiB GPU cannot hold {spec.moe_layers} layers' owned experts "
+                       f"and states ({(spec.moe_layers * (least + state)) / GIB:.1f} GiB needed)")
+    return best

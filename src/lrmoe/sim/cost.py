@@ -1,0 +1,144 @@
+"""Time of one layer call from what it does (a :class:`LayerCall`) and the hardware.
+
+Per rank, every term is a count times a rate, so the same code serves the GPU projection and
+the CPU calibration (where the rates are fitted by least squares):
+
+- grouped GEMMs: a roofline, ``max(FLOPs / (peak·gemm_eff), operand bytes / (bw·mem_eff))``;
+  forward ``6·R·D·F`` FLOPs for R rows (gate, up, down), backward ``12·R·D·F`` (dh, dW_down,
+  dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (static-recompute, lrmoe);
+  operand bytes are the weights (once per local copy and GEMM) plus the rows in and out;
+- elementwise and copy kernels: bytes / (bw·mem_eff) — SwiGLU and its backward, ‖h‖², the
+  home-side gather of rows into send order and the weighted combine / scatter-add;
+- kernel launches × ``launch_s`` (forward chunks multiply them; on CPU a grouped GEMM is a loop
+  of one GEMM per local expert, so each expert costs a launch);
+- router and shared expert GEMMs (same for every system, kept so that reductions are relative
+  to the whole MoE-layer time);
+- all-to-all (α–β): a rank's time is ``α_intra·(g−1) + α_inter·(W−g)`` for its messages plus
+  the larger of its intra-node bytes / ``intra_bw`` and its inter-node bytes / ``inter_bw``
+  (links in parallel), sent or received, whichever is more; the collective takes its slowest
+  rank. Exchanges: forward rows out and back (+ ‖h‖² for lrmoe), backward dy (+ x for lrmoe)
+  and dx, the selection's score all-gather (lrmoe in the backward, capacity in the forward),
+  replica refresh (owner → holder, every step) and replica-gradient reduction (holder → owner);
+- host time: the measured wall time of the library's planning calls (:mod:`lrmoe.sim.plan`);
+- CPU only: ranks beyond ``cores`` share them, so compute and memory terms scale by W/cores.
+
+The layer call's time is the sum over phases of the slowest rank per phase (collectives
+synchronise the ranks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lrmoe.sim.hardware import Hardware
+from lrmoe.sim.models import ModelSpec
+from lrmoe.sim.plan import LayerCall
+
+SCORE_BYTES = 8  # float64 LRM scores / routing probabilities exchanged for a global selection
+SORT_PASSES = 16  # selection sorts the pairs' 8-byte keys: counted as this many passes over them
+# Kernel launches per call: forward (gate, up, silu·mul, down, ‖h‖²), backward (recompute 3,
+# dW_down, dh, 2 elementwise, dW_gate, dW_up, dx 2).
+FWD_GEMMS, BWD_GEMMS, RECOMPUTE_GEMMS = 3, 6, 2
+FWD_KERNELS, BWD_KERNELS = 6, 12
+
+PHASES = ("fwd_compute", "fwd_a2a", "bwd_compute", "bwd_a2a", "select", "replicas", "dense", "host")
+
+
+def a2a_seconds(bytes_SR: np.ndarray, hw: Hardware, messages: bool = True) -> float:
+    """α–β time of an all-to-all carrying ``bytes_SR[s, r]`` from rank s to rank r."""
+    W = bytes_SR.shape[0]
+    if W == 1:
+        return 0.0
+    g = max(1, min(hw.devices_per_node, W))
+    node = np.arange(W) // g
+    same = node[:, None] == node[None, :]
+    off = ~np.eye(W, dtype=bool)
+    b = np.where(off, bytes_SR, 0).astype(np.float64)
+    intra = np.maximum((b * same).sum(1), (b * same).sum(0))
+    inter = np.maximum((b * ~same).sum(1), (b * ~same).sum(0))
+    t = np.maximum(intra / hw.intra_bw, inter / hw.inter_bw)
+    if messages:
+        t = t + hw.alpha_intra * (g - 1) + hw.alpha_inter * (W - g)
+    return float(t.max())
+
+
+def _compute_scale(hw: Hardware, world: int) -> float:
+    return max(1.0, world / hw.cores) if hw.cores else 1.0
+
+
+def _gemm_seconds(flops: np.ndarray, bytes_: np.ndarray, hw: Hardware) -> np.ndarray:
+    return np.maximum(flops / (hw.peak_flops * hw.gemm_eff), bytes_ / (hw.mem_bw * hw.mem_eff))
+
+
+def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = False) -> dict[str, np.ndarray]:
+    """Per-rank counts behind every term: FLOPs, bytes, launches (arrays over ranks)."""
+    D, F, E, K = spec.dim, spec.ffn_dim, spec.num_experts, spec.top_k
+    Rf = call.fwd_SR.sum(0).astype(np.float64)
+    Rb = call.bwd_SR.sum(0).astype(np.float64)
+    L = call.copies_R.astype(np.float64)
+    T = float(call.tokens_per_rank)
+    recompute = call.system in ("static-recompute", "lrmoe")
+    w_bytes = 3 * D * F * s * L  # one read of every local copy's weights
+    groups = L if per_expert_gemm else np.ones_like(L)
+    fwd_flops = 6 * Rf * D * F
+    bwd_flops = 12 * Rb * D * F + (4 * Rb * D * F if recompute else 0)
+    fwd_gemm_bytes = w_bytes + Rf * (3 * D + 3 * F) * s
+    bwd_gemm_bytes = 3 * w_bytes + Rb * (6 * D + 8 * F) * s + (w_bytes * 2 / 3 + Rb * (2 * D + 2 * F) * s
+                                                                if recompute else 0)
+    selective = call.system == "lrmoe"
+    fwd_elem = Rf * 4 * F * s + (Rf * F * s if selective else 0) + call.home_pairs_R * 3 * D * s
+    bwd_elem = Rb * 8 * F * s + (Rb * 4 * F * s if recompute else 0) + call.home_bwd_pairs_R * 3 * D * s
+    if call.system in ("lrmoe", "capacity"):
+        sort = SORT_PASSES * SCORE_BYTES * T * K
+        if call.score_in_forward:
+            fwd_elem = fwd_elem + sort
+        else:
+            bwd_elem = bwd_elem + sort
+    fwd_launch = (FWD_GEMMS * groups + (FWD_KERNELS - FWD_GEMMS)) * call.chunks_R
+    bwd_launch = (BWD_GEMMS + (RECOMPUTE_GEMMS if recompute else 0)) * groups + (BWD_KERNELS - BWD_GEMMS)
+    return {
+        "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "fwd_gemm_bytes": fwd_gemm_bytes,
+        "bwd_gemm_bytes": bwd_gemm_bytes, "fwd_elem_bytes": fwd_elem, "bwd_elem_bytes": bwd_elem,
+        "fwd_launches": fwd_launch, "bwd_launches": bwd_launch,
+        "dense_flops": np.full_like(Rf, 3 * 2 * T * D * E + 3 * 6 * T * D * spec.shared_ffn_dim),
+    }
+
+
+def exchanges(call: LayerCall, spec: ModelSpec, s: int) -> list[tuple[str, np.ndarray]]:
+    """Every exchange of one layer call as (phase, (W, W) bytes from rank s to rank r). A
+    return trip (y, dx, replica gradients) is the transpose of its outbound matrix."""
+    D, F = spec.dim, spec.ffn_dim
+    W = call.fwd_SR.shape[0]
+    row = D * s
+    lrmoe = call.system == "lrmoe"
+    out = [("fwd_a2a", np.full((W, W), spec.num_experts * 8)),  # per-expert count all-gather
+           ("fwd_a2a", call.fwd_SR * row), ("fwd_a2a", call.fwd_SR.T * (row + (8 if lrmoe else 0))),
+           ("bwd_a2a", call.bwd_SR * row), ("bwd_a2a", call.bwd_SR.T * row)]
+    if lrmoe:
+        out.append(("bwd_a2a", call.bwd_SR * row))  # x of the kept pairs, re-sent
+    if call.score_pairs_R.any():
+        out.append(("select", np.repeat(call.score_pairs_R[:, None] * SCORE_BYTES, W, axis=1)))
+    if call.refresh_SR.any():
+        params = 3 * D * F * s
+        out += [("replicas", call.refresh_SR * params), ("replicas", call.refresh_SR.T * params)]
+    return out
+
+
+def layer_seconds(call: LayerCall, spec: ModelSpec, hw: Hardware, s: int = 2) -> dict[str, float]:
+    """Seconds of one layer call by phase (slowest rank per phase) and their ``total``."""
+    f = features(call, spec, s, hw.per_expert_gemm)
+    W = call.fwd_SR.shape[0]
+    scale = _compute_scale(hw, W)
+    mem = hw.mem_bw * hw.mem_eff
+    fwd = (_gemm_seconds(f["fwd_flops"], f["fwd_gemm_bytes"], hw) + f["fwd_elem_bytes"] / mem) * scale \
+        + f["fwd_launches"] * hw.launch_s
+    bwd = (_gemm_seconds(f["bwd_flops"], f["bwd_gemm_bytes"], hw) + f["bwd_elem_bytes"] / mem) * scale \
+        + f["bwd_launches"] * hw.launch_s
+    out = dict.fromkeys(PHASES, 0.0)
+    out["fwd_compute"], out["bwd_compute"] = float(fwd.max()), float(bwd.max())
+    for phase, bytes_SR in exchanges(call, spec, s):
+        out[phase] += a2a_seconds(bytes_SR, hw)
+    out["dense"] = float((f["dense_flops"] / (hw.peak_flops * hw.gemm_eff)).max()) * scale + hw.call_s
+    out["host"] = call.host_s
+    out["total"] = sum(out[p] for p in PHASES)
+    return out

@@ -1,0 +1,115 @@
+"""Output of a projection: ``table.md`` (the published results' form), ``results.json`` and
+sensitivity plots (GPU memory, link bandwidth).
+
+``results.json``: ``{model: {memory_cap_gib: {system: {"moe_time_to_target_s", "step_ms",
+"peak_expert_side_bytes", ...}}}}`` plus ``"_meta"`` with every assumption of each model's run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+def _pct(new: float | None, ref: float | None) -> str:
+    if new is None or ref is None or ref == 0:
+        return "–"
+    return f"{100 * (ref - new) / ref:+.1f} %"
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def table_md(results: dict[str, dict]) -> str:
+    """Per model and memory cap: MoE time to target and its reduction vs symi, per-layer-call
+    expert-side peak and its reduction vs static, whole-step memory and status."""
+    out = ["# Projected MoE-layer training: time to target and memory", "",
+           "Reduction vs symi: (symi − system) / symi of cumulative MoE-layer time to the target loss "
+           "(positive = faster). Memory reduction vs static: (static − system) / static of the peak "
+           "expert-side bytes of one layer call (placement + replicas + token buffers), max over ranks. "
+           "`oom`: the whole step does not fit the cap; `not reached`: the compare run measured no step "
+           "count at this kept ratio. Assumptions: docs/simulation.md.", ""]
+    for model, doc in results.items():
+        meta = doc["meta"]
+        out += [f"## {model} — {meta['gpus']} GPUs, {meta['tokens_per_gpu']} tokens/GPU, "
+                f"{meta['link_gbps']:g} Gbit/s inter-node", "",
+                f"Routing: {meta['routing']}. Steps to target: {meta['compare']} "
+                f"(lrmoe variant: {meta['selection']}; static = {meta['target_steps_static']} steps).", ""]
+        for cap, rows in doc["caps"].items():
+            symi = rows.get("symi", {})
+            static = rows.get("static", {})
+            ref_t = symi.get("moe_time_to_target_s")
+            ref_m = static.get("peak_expert_side_bytes")
+            out += [f"### GPU memory cap {cap} GiB", "",
+                    "| system | status | step ms | kept | steps to target | MoE time to target s | vs symi "
+                    "| expert-side peak GiB | vs static | step memory GiB |",
+                    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for name, r in rows.items():
+                peak = r.get("peak_expert_side_bytes")
+                out.append(
+                    f"| {name} | {r.get('status')} | {_num(r.get('step_ms'), '.0f')} | "
+                    f"{_num(r.get('kept_ratio'), '.3f')} | {_num(r.get('steps_to_target'), '.0f')} | "
+                    f"{_num(r.get('moe_time_to_target_s'), '.0f')} | {_pct(r.get('moe_time_to_target_s'), ref_t)} | "
+                    f"{_num(None if peak is None else peak / GIB, '.2f')} | {_pct(peak, ref_m)} | "
+                    f"{_num(None if r.get('step_peak_bytes') is None else r['step_peak_bytes'] / GIB, '.1f')} |")
+            out.append("")
+    return "\n".join(out)
+
+
+def write_results(out: Path, results: dict[str, dict]) -> None:
+    """``results.json`` and ``table.md`` under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {model: doc["caps"] for model, doc in results.items()}
+    doc["_meta"] = {model: doc_["meta"] for model, doc_ in results.items()}
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    (out / "table.md").write_text(table_md(results))
+
+
+def plot_sensitivity(out: Path, results: dict[str, dict], bandwidth: dict[str, dict[str, dict[float, float]]]
+                     ) -> list[Path]:
+    """``memory_sensitivity.png`` (time to target vs GPU memory cap) and
+    ``bandwidth_sensitivity.png`` (vs inter-node link), one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results)
+    paths = []
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        caps = results[model]["caps"]
+        systems = list(next(iter(caps.values())))
+        for name in systems:
+            xs = [float(c) for c in caps if caps[c][name].get("moe_time_to_target_s") is not None]
+            ys = [caps[f"{x:g}"][name]["moe_time_to_target_s"] for x in xs]
+            if xs:
+                ax.plot(xs, ys, marker="o", label=name)
+        ax.set(title=f"{model}: sensitivity to GPU memory", xlabel="GPU memory cap (GiB)",
+               ylabel="MoE time to target (s)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "memory_sensitivity.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        cap = max(results[model]["caps"], key=float)
+        for name, series in bandwidth.get(model, {}).items():
+            xs = sorted(g for g, v in series.items() if v is not None)
+            if xs:
+                ax.plot(xs, [series[g] for g in xs], marker="o", label=name)
+        ax.set(title=f"{model}: sensitivity to link bandwidth ({cap} GiB)", xlabel="inter-node Gbit/s per GPU",
+               ylabel="MoE time to target (s)", xscale="log")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "bandwidth_sensitivity.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,181 @@
+"""lrmoe.sim: the analytic memory accounting against the real layer, trace rescaling, steps to
+target, the cost model's direction, and the `lrmoe simulate` command line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lrmoe.cli import main
+from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
+from lrmoe.layer import MoELayer
+from lrmoe.selection import fixed_ratio_quota
+from lrmoe.sim.errors import SimError
+from lrmoe.sim.memory import RankWork, expert_side_peak
+from lrmoe.sim.run import SimConfig, simulate
+from lrmoe.sim.target import StepsToTarget
+from lrmoe.sim.trace import rescale_counts, split_sources, zipf_counts
+from tests.pool import RankPool
+
+CFG = MoEConfig(dim=32, ffn_dim=48, num_experts=8, top_k=2)
+S = 4  # fp32
+PARAMS = 3 * 32 * 48 * S
+
+
+def _layer_peak(group, system, ratio, memory, slots, seed=0):
+    """Run one forward+backward; return the layer's peak and what the accounting needs."""
+    torch.manual_seed(seed)
+    budget = ClusterBudget(memory_bytes=memory, slots=slots) if memory else None
+    if system == "symi" and slots:
+        budget = ClusterBudget(memory_bytes=1 << 40, slots=slots)
+    layer = MoELayer(CFG, system=system, group=group, backward=BackwardConfig(ratio=ratio), budget=budget,
+                     capacity_factor=1.0)
+    rank = layer.rank
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(48, CFG.dim, generator=gen)
+    x[:, 0] += 3.0  # a skewed router: some experts far above average
+    y = layer(x)
+    y.backward(torch.randn(y.shape, generator=gen))
+    st, pl = layer.last_stats, layer.placement
+    chunk = None if layer.controller is None else layer.controller.forward_chunk_rows(pl, rank, st["recv_rows"])
+    work = RankWork(st["recv_rows"], st["bwd_gemm_rows"], len(pl.slots[rank]), len(pl.owned(rank)), chunk,
+                    layer.world, pl.num_copies > CFG.num_experts)
+    counts = st["counts_E"]
+    return {"peak": st["peak_expert_side_bytes"], "work": work, "counts": counts, "kept": int(st["kept_E"].sum())}
+
+
+# budget tight enough to chunk the forward and cut the quotas at world size 1
+TIGHT = 2 * 8 * PARAMS + 96 * (2 * 32 * S + 8) + 30 * 4 * 48 * S
+
+
+@pytest.mark.parametrize("system,ratio,memory", [
+    ("static", 1.0, None), ("static-recompute", 1.0, None), ("lrmoe", 0.5, None), ("lrmoe", 1.0, TIGHT),
+    ("lrmoe", 0.5, TIGHT), ("symi", 1.0, None), ("capacity", 1.0, None), ("masked", 0.5, None),
+])
+def test_memory_accounting_matches_layer_world1(system, ratio, memory):
+    r = _layer_peak(None, system, ratio, memory, None)
+    w = r["work"]
+    # the rows the accounting sees follow from routing alone, not from the layer's stats
+    assert w.fwd_rows == (int(torch.clamp(r["counts"], max=math.ceil(96 / 8)).sum()) if system == "capacity" else 96)
+    if system == "lrmoe" and memory is None:
+        assert w.bwd_rows == int(fixed_ratio_quota(r["counts"], ratio).sum())
+    if memory is not None:
+        assert w.chunk_rows < w.fwd_rows  # the budget really chunks the forward
+    assert expert_side_peak(system, CFG.dim, CFG.ffn_dim, S, w) == r["peak"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(world=2)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("system,ratio,memory,slots", [
+    ("static", 1.0, None, None), ("static-recompute", 1.0, None, None), ("symi", 1.0, None, 6),
+    ("lrmoe", 0.5, None, None), ("lrmoe", 0.5, 18 * PARAMS + 60_000, 6),
+    ("capacity", 1.0, None, None),
+])
+def test_memory_accounting_matches_layer_world2(pool, system, ratio, memory, slots):
+    """Two ranks: regrouped receive buffers, replicas and their gradient send buffer."""
+    results = pool.run(2, _layer_peak, system, ratio, memory, slots)
+    if slots:  # replicas really exist (on some rank)
+        assert any(r["work"].copies > r["work"].owned for r in results)
+    for r in results:
+        assert expert_side_peak(system, CFG.dim, CFG.ffn_dim, S, r["work"]) == r["peak"]
+
+
+def test_rescale_preserves_pairs_and_skew():
+    rng = np.random.default_rng(0)
+    trace = rng.gamma(1.0, size=16) * 100
+    tokens, K = 4096 * 8, 8
+    c = rescale_counts(trace, 128, tokens, K)
+    assert c.sum() == tokens * K and c.max() <= tokens and c.min() >= 0
+    shares = trace / trace.sum()
+    assert c.reshape(16, 8).sum(1) / c.sum() == pytest.approx(shares, abs=1e-4)  # same load per trace expert
+    z = zipf_counts(3, 2, 128, tokens, K, exponent=1.0)
+    assert (z.sum(-1) == tokens * K).all() and z.max() <= tokens  # capped at one pick per token
+    assert (split_sources(c, 8).sum(0) == c).all()
+
+
+def test_steps_to_target_interpolation(tmp_path):
+    doc = {"systems": {"static": {"steps_to_target": 400}, "symi": {"steps_to_target": 400},
+                       "capacity": {"steps_to_target": None}, "lrmoe@0.5": {"steps_to_target": None},
+                       "lrmoe-sampled@0.5": {"steps_to_target": 500}, "lrmoe-sampled@0.25": {"steps_to_target": 700}}}
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(doc))
+    t = StepsToTarget.load(p)
+    assert t.ratio("capacity") is None
+    assert t.lrmoe_ratio("sampled", 0.5) == 1.25
+    assert t.lrmoe_ratio("sampled", 0.75) == pytest.approx((500 + 400) / 2 / 400)
+    assert t.lrmoe_ratio("sampled", 0.375) == pytest.approx(1.5)
+    assert t.lrmoe_ratio("sampled", 0.1) is None  # no extrapolation
+    assert t.lrmoe_ratio("lrm", 0.5) is None  # never reached: no number invented
+    assert t.lrmoe_ratio("lrm", 0.75) is None
+
+
+def _skewed_trace(path, steps=3, experts=16):
+    rng = np.random.default_rng(1)
+    counts = np.stack([[rng.zipf(1.5, experts).astype(np.float32) * 0 + 1 / np.arange(1, experts + 1) ** 1.2
+                        for _ in range(2)] for _ in range(steps)]).astype(np.float32) * 1000
+    np.savez_compressed(path, counts=counts)
+    return path
+
+
+def test_lrmoe_device_time_below_static_on_skewed_trace(tmp_path):
+    trace = _skewed_trace(tmp_path / "routing.npz")
+    cfg = SimConfig(model="qwen3-30b-a3b", gpus=16, memory_caps_gib=(200.0,), trace=str(trace), steps=3, layers=1,
+                    tokens_per_gpu=512, ratios=(0.5,))
+    doc, _ = simulate(cfg, progress=False)
+    rows = doc["caps"]["200"]
+    lr = rows["lrmoe-sampled@0.5"]
+    assert lr["kept_ratio"] < 0.55
+    device = {n: r["layer_ms"]["total"] - r["layer_ms"]["host"] for n, r in rows.items()}
+    assert device["lrmoe-sampled@0.5"] <= device["static"]
+    assert lr["peak_expert_side_bytes"] < rows["static"]["peak_expert_side_bytes"]
+
+
+KEYS = {"moe_time_to_target_s", "step_ms", "peak_expert_side_bytes"}
+
+
+def test_cli_writes_table_and_results(tmp_path):
+    out = tmp_path / "sim"
+    main(["simulate", "--model", "all", "--gpus", "32", "--gpu-memory", "60,100", "--steps", "2", "--layers", "1",
+          "--tokens-per-gpu", "256", "--quiet", "--out", str(out)])
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc) == {"qwen3-30b-a3b", "glm45-air", "_meta"}
+    for model in ("qwen3-30b-a3b", "glm45-air"):
+        assert set(doc[model]) == {"60", "100"}
+        for cap in doc[model].values():
+            assert {"static", "symi", "capacity", "lrmoe-sampled@0.5"} <= set(cap)
+            for row in cap.values():
+                assert KEYS <= set(row)
+    table = (out / "table.md").read_text()
+    assert "## qwen3-30b-a3b" in table and "## glm45-air" in table and "vs symi" in table
+    assert (out / "memory_sensitivity.png").stat().st_size > 0 and (out / "bandwidth_sensitivity.png").exists()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "gpt5", "--gpus", "8", "--gpu-memory", "80"], "unknown model"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "0", "--gpu-memory", "80"], "--gpus"),
+    (["--model", "glm45-air", "--gpus", "8", "--gpu-memory", "4"], "too small"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "80,x"], "--gpu-memory"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu-memory", "80", "--trace", "/nonexistent.npz"], "not found"),
+])
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", *argv, "--quiet", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_bad_trace_content(tmp_path):
+    p = tmp_path / "bad.npz"
+    np.savez_compressed(p, counts=np.zeros((2, 1, 4), np.float32))
+    with pytest.raises(SimError, match="pairs in every step"):
+        simulate(SimConfig(model="qwen3-30b-a3b", gpus=64, memory_caps_gib=(80.0,), trace=str(p)), progress=False)
