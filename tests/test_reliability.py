@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer, comm
+from lrmoe.layer import SYSTEMS
 from tests.reference import reference_grads
 from tests.test_layer import close, split_tokens
 
-ALL_SYSTEMS = ("static", "static-recompute", "lrmoe", "masked", "symi", "capacity")
+ALL_SYSTEMS = SYSTEMS
 
 
 def _layer(cfg, system, group, ratio=1.0):
@@ -22,6 +23,8 @@ def _layer(cfg, system, group, ratio=1.0):
         kw["backward"] = BackwardConfig(ratio=ratio)
     if system == "capacity":
         kw["capacity_factor"] = 100.0  # nothing overflows: the complete reference applies
+    if system == "topoep":
+        kw["budget"] = ClusterBudget(ranks_per_node=1)
     return MoELayer(cfg, system=system, group=group, **kw)
 
 
@@ -101,7 +104,7 @@ def test_routing_extremes_bf16(pool, world, case):
 
 def fuzz_case(group, E, K, D, skew, system, shape3d, seed):
     world, rank = comm.world_size(group), comm.rank_of(group)
-    cfg = MoEConfig(dim=D, ffn_dim=D, num_experts=E, top_k=K)
+    cfg = MoEConfig(dim=D, ffn_dim=12 if system == "laer" else D, num_experts=E, top_k=K)  # laer: F % W == 0
     torch.manual_seed(seed)
     sd = MoELayer(cfg).state_dict()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -182,6 +185,6 @@ def patterns_case(group, system):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("system", ["static", "lrmoe", "symi"])
+@pytest.mark.parametrize("system", ["static", "lrmoe", "symi", "ultraep", "laer", "fastermoe"])
 def test_accumulation_checkpointing_and_eval(pool, world, system):
     pool.run(world, patterns_case, system)

@@ -17,6 +17,14 @@ import torch.distributed as dist
 Group = dist.ProcessGroup | None
 
 
+def comm_device(group: Group) -> torch.device | None:
+    """Where the group's collectives need their tensors: the current CUDA device for NCCL, else
+    anywhere (None). Host-side exchanges (counts, scores) are copied there and back."""
+    if group is None or dist.get_backend(group) != "nccl":
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def world_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -59,10 +67,11 @@ def all_to_all(
             counter.inter_sent += sum(n for r, n in enumerate(send_splits) if node[r] != node[me]) * row_bytes
     if world_size(group) == 1:
         return send_XD
-    send_XD = send_XD.contiguous()
+    home, device = send_XD.device, comm_device(group)
+    send_XD = send_XD.contiguous() if device is None else send_XD.to(device).contiguous()
     recv_XD = send_XD.new_empty((sum(recv_splits), *send_XD.shape[1:]))
     dist.all_to_all_single(recv_XD, send_XD, recv_splits, send_splits, group=group)
-    return recv_XD
+    return recv_XD.to(home)
 
 
 def all_gather(
@@ -80,6 +89,7 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over ranks (used outside layer calls: full-shape views, bias updates)."""
     if world_size(group) == 1:
         return x
-    x = x.clone()
-    dist.all_reduce(x, group=group)
-    return x
+    device = comm_device(group)
+    out = x.clone() if device is None else x.to(device, copy=True)
+    dist.all_reduce(out, group=group)
+    return out.to(x.device)

@@ -61,7 +61,7 @@ def load_latest(out: Path, rank: int) -> dict | None:
     for step in steps:
         path = root / f"step_{step:07d}" / f"rank_{rank}.pt"
         try:
-            return torch.load(path, weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=False)
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
             tried.append(f"{path} ({e.__class__.__name__})")
             print(f"checkpoint {path} is missing or unreadable ({e.__class__.__name__}); trying an older one",

@@ -45,6 +45,7 @@ class TrainConfig:
     replan_interval: int = 10
     on_nonfinite: str = "skip"  # "skip" the step or "stop" the run
     routing_trace: str = ""  # smartmoe: a routing.npz of an earlier run for its offline pool
+    device: str = "auto"  # "auto" (CUDA when available, with NCCL), "cpu" (gloo) or "cuda"
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -74,6 +75,8 @@ class TrainConfig:
         if self.routing_trace and self.system != "smartmoe":
             raise ConfigError(f"train.routing_trace={self.routing_trace!r} is used by system 'smartmoe', "
                               f"not {self.system!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"train.device={self.device!r} is invalid: expected 'auto', 'cpu' or 'cuda'")
         if self.on_nonfinite not in ("skip", "stop"):
             raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
 

@@ -77,9 +77,26 @@ class Groups:
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group is not None:
+    """In place; host tensors go through the accelerator when the group is NCCL."""
+    if group is None:
+        return t
+    device = comm.comm_device(group)
+    if device is None or t.device == device:
         dist.all_reduce(t, op=op, group=group)
+    else:
+        moved = t.to(device)
+        dist.all_reduce(moved, op=op, group=group)
+        t.copy_(moved)
     return t
+
+
+def train_device(cfg: RunConfig) -> torch.device:
+    """``train.device``: ``auto`` takes this rank's CUDA device when there is one."""
+    if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but this machine's torch sees no CUDA device")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransformer:
@@ -143,8 +160,9 @@ def _lr(step: int, cfg) -> float:
 @torch.no_grad()
 def evaluate(model: MoETransformer, batches: Batches, n: int, groups: Groups) -> float:
     total = torch.zeros(2, dtype=torch.float64)
+    device = next(model.parameters()).device
     for ids, tgt in batches.val_batches(n):
-        _, ce = model.loss(ids, tgt)
+        _, ce = model.loss(ids.to(device), tgt.to(device))
         total += torch.tensor([ce.item() * tgt.numel(), tgt.numel()], dtype=torch.float64)
     _all_reduce(total, groups.world_group)
     return float(total[0] / total[1])
@@ -211,7 +229,8 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
     torch.set_num_threads(1)
     data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
     batches = Batches(data, cfg.model.seq_len, t.batch, groups.dp_rank, groups.dp_size, t.seed)
-    model = build_model(cfg, data.vocab_size, groups)
+    device = train_device(cfg)
+    model = build_model(cfg, data.vocab_size, groups).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     total_steps = max_steps or t.steps
     lead = groups.rank == 0
@@ -233,7 +252,7 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         for g in opt.param_groups:
             g["lr"] = _lr(step, t)
         t0 = time.time()
-        ids, tgt = batches.train_batch(step)
+        ids, tgt = (b.to(device) for b in batches.train_batch(step))
         loss, ce = model.loss(ids, tgt)
         loss.backward()
         reduce_gradients(model, groups)
@@ -319,7 +338,10 @@ def main_worker(config_path: str, out: str, resume: bool, max_steps: int | None,
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=not agent_store and rank == 0)
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl",
+        cuda = train_device(cfg).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo",
                                 store=dist.PrefixStore(f"lrmoe/attempt_{restart}", store), rank=rank, world_size=world)
         group = dist.group.WORLD
     # a rank restarted by torchrun (--max-restarts) resumes from the last good checkpoint
