@@ -117,6 +117,12 @@ def test_family_equals_static_at_world_4(pool, system):
         assert all(0 in s for s in slots), "the hot expert is shadowed on every rank"
     if system in ("flexmoe", "smartmoe", "topoep"):
         assert any(len(s) > 2 for s in slots), f"{system} holds replicas after re-planning"
+    if system == "flexmoe":  # each new copy would carry two Adam moments along (modelled)
+        steps = [[set(s) for s in step["slots"]] for step in res[0]]
+        for k in range(1, len(steps)):
+            created = sum(len(steps[k][r] - steps[k - 1][r]) for r in range(4))
+            bound = sum(r[k]["stats"]["bound_optimizer_bytes"] for r in res)
+            assert bound == created * 2 * _param_bytes(cfg)
     if system == "topoep":
         s = last[1]["stats"]
         assert 0 <= s["fwd_a2a_inter_bytes"] <= s["fwd_a2a_bytes"]

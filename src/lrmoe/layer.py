@@ -266,6 +266,8 @@ def _routed_forward(
         optimizer_bytes=ADAM_STATES * _nbytes(gate_up, down),
         fwd_ms=(time.perf_counter() - t0) * 1e3,
     )
+    if system == "flexmoe":  # modelled, not moved: see docs/systems.md
+        call.stats["bound_optimizer_bytes"], layer._bound_optimizer_bytes = layer._bound_optimizer_bytes, 0
     return out_TD, y_PD, h_sq_P
 
 
@@ -509,9 +511,13 @@ class MoELayer(nn.Module):
         """Re-plan replicas from the smoothed load; the new copies are fetched at the next
         forward (or :meth:`step_end`), every byte counted."""
         if self.system == "flexmoe":
-            self.placement, created = planners.flexmoe_replan(self.placement, self._load_E, self._slots_R,
-                                                              self.costs, FLEXMOE_HORIZON)
-            self._bound_optimizer_bytes += created * ADAM_STATES * self.costs.expert_bytes
+            old = self.placement
+            self.placement, _ = planners.flexmoe_replan(old, self._load_E, self._slots_R, self.costs, FLEXMOE_HORIZON)
+            # the optimizer state this rank, as owner, would send along with its experts' new copies
+            owner_E = self.base_placement.owner_E
+            sent = sum(int(owner_E[e]) == self.rank for new, was in zip(self.placement.slots, old.slots)
+                       for e in set(new) - set(was))
+            self._bound_optimizer_bytes += sent * ADAM_STATES * self.costs.expert_bytes
         elif self.system == "smartmoe":
             if self._pool is None and len(self._trace) >= SMARTMOE_WARMUP:
                 trace_NE = torch.stack(self._trace)
