@@ -9,7 +9,7 @@ import torch
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
 from lrmoe.balance import assign_min_peak
-from lrmoe.layer import REPLICATION_FAMILY
+from lrmoe.layer import PER_CALL, REPLICATION_FAMILY
 from lrmoe.placement import Placement, plan_replicas
 from lrmoe.planners import (
     CostModel,
@@ -61,6 +61,7 @@ def family_case(group, system: str, steps: int, nodes: int):
         ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg)
         rec = Recorder(mp, rank)
         seen = []
+        refreshed = 0  # bytes the last step_end sent (replica refresh)
         for _ in range(steps):
             layer.zero_grad()
             static.zero_grad()
@@ -79,15 +80,18 @@ def family_case(group, system: str, steps: int, nodes: int):
             for name, want in ref_grads.items():
                 close(f"grad {name}", grads[name], want)
                 close(f"vs static {name}", grads[name], sgrads[name], atol=1e-5)
-            # In-call parameter moves (per-call planners) are placement bytes; everything else
-            # the forward and backward exchanged is fwd/bwd bytes.
-            in_call = s["placement_bytes"] if system in ("fastermoe", "ultraep", "laer") else 0
-            assert s["fwd_a2a_bytes"] + in_call == sum(a for a, _ in fwd_a2a)
+            # Parameter moves are placement bytes: the last step_end's refresh (per-step planners)
+            # or this forward's own fetches (per-call planners); the rest is fwd/bwd bytes.
+            in_call = sum(a for a, _ in fwd_a2a) - s["fwd_a2a_bytes"]
+            assert s["placement_bytes"] == refreshed + in_call
+            assert in_call == 0 if system not in PER_CALL else refreshed == 0
             assert s["bwd_a2a_bytes"] == sum(a for a, _ in bwd_a2a)
             assert s["bwd_a2a_recv_bytes"] == sum(r for _, r in bwd_a2a)
             seen.append({"stats": {k: v for k, v in s.items() if not torch.is_tensor(v)},
                          "slots": [list(sl) for sl in layer.placement.slots]})
+            rec.take()
             layer.step_end()
+            refreshed = sum(a for a, _ in rec.take()[0])
         return seen
     finally:
         mp.undo()
