@@ -28,12 +28,14 @@ BAD = [
     (BackwardConfig, {}, [("selection", "best"), ("ratio", 0), ("ratio", 2), ("seed", "s"), ("p_min", 0),
                           ("p_min", 1.5)]),
     (ClusterBudget, dict(memory_bytes=10), [("memory_bytes", 0), ("memory_bytes", [1, 0]), ("network_bytes", -5),
-                                            ("slots", 0)]),
+                                            ("slots", 0), ("ranks_per_node", 0), ("inter_node_gbps", 0),
+                                            ("intra_node_gbps", "fast")]),
     (TrainConfig, {}, [("system", "fast"), ("steps", 0), ("batch", -2), ("lr", 0), ("weight_decay", -1),
                        ("warmup", -1), ("seed", -1), ("eval_every", 0), ("eval_batches", 0),
                        ("checkpoint_every", -1), ("nproc", 0), ("ep_size", 3), ("vocab_size", 100),
                        ("val_fraction", 0.9), ("bias_update_rate", -1), ("capacity_factor", 0),
-                       ("replan_interval", 0), ("on_nonfinite", "ignore")]),
+                       ("replan_interval", 0), ("on_nonfinite", "ignore"), ("device", "tpu"),
+                       ("routing_trace", "runs/x/routing.npz")]),
     (CompareConfig, {}, [("systems", ("static", "warp")), ("target_fraction", 0), ("budget_factor", 0.5)]),
     (ModelConfig, {}, [("vocab_size", 0), ("dim", 0), ("n_layers", 0), ("n_heads", 3), ("seq_len", 0),
                        ("first_dense_layers", 9), ("dense_ffn_dim", 0)]),
@@ -55,12 +57,20 @@ def test_every_field_is_validated(cls, base, field, value):
     ({"system": "fastest"}, "system"), ({"capacity_factor": 0}, "capacity_factor"),
     ({"replan_interval": 0}, "replan_interval"), ({"load_ema": 1.0}, "load_ema"),
     ({"system": "static", "budget": ClusterBudget(10**6)}, "budget"),
+    ({"system": "topoep"}, "ranks_per_node"),
+    ({"system": "static", "routing_trace": torch.ones(2, 4)}, "routing_trace"),
 ])
 def test_layer_arguments_validated(kwargs, field):
     from lrmoe import MoELayer
 
     with pytest.raises(ValueError, match=field):
         MoELayer(MoEConfig(dim=8, ffn_dim=8, num_experts=4, top_k=2), **kwargs)
+
+
+def test_topoep_config_needs_topology():
+    with pytest.raises(ConfigError, match="ranks_per_node"):
+        from_dict({"train": {"system": "topoep"}})
+    assert from_dict({"train": {"system": "topoep"}, "budget": {"ranks_per_node": 1}}).budget.node_of(2) == [0, 1]
 
 
 def test_unknown_keys_are_rejected():
