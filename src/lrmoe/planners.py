@@ -65,8 +65,8 @@ class CostModel:
 # ------------------------------------------------------------------------------- fastermoe
 def _shadow_time(counts_SE: np.ndarray, owner_E: np.ndarray, shadow: np.ndarray, cost: CostModel) -> float:
     """Predicted step time of the routed experts with ``shadow`` (bool, E) experts on every rank:
-    the slowest rank's compute plus its token traffic, plus the owners' weight broadcasts and
-    gradient reductions, which FasterMoE overlaps with nothing."""
+    the slowest rank's compute plus its token traffic, plus its weight broadcasts and gradient
+    reductions as the owner of shadowed experts (counted in full: no overlap is modelled)."""
     S, E = counts_SE.shape
     local = counts_SE * shadow  # shadowed pairs stay where they come from
     remote = counts_SE * ~shadow
