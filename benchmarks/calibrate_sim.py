@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from common import run_ranks, write_json
-from scipy.optimize import nnls
+from scipy.optimize import least_squares
 
 from lrmoe.config import BackwardConfig, MoEConfig
 from lrmoe.layer import MoELayer
@@ -108,16 +108,23 @@ def layer_call(row: tuple, counts_SE: list[list[int]]):
     return spec, planner.call(c_SE.sum(0), 4, counts_SE=c_SE)
 
 
-def unit_features(spec, call, cores: int) -> np.ndarray:
-    """Time of the call under hardware where one rate is 1 s per unit and the rest free."""
-    big = 1e30
-    base = dict(name="unit", peak_flops=big, mem_bw=big, intra_bw=big, inter_bw=big, alpha_intra=0.0,
-                alpha_inter=0.0, devices_per_node=64, gemm_eff=1.0, mem_eff=1.0, launch_s=0.0, call_s=0.0,
-                per_expert_gemm=True, cores=cores)
-    units = [dict(peak_flops=1.0), dict(mem_bw=1.0), dict(launch_s=1.0), dict(intra_bw=1.0), dict(alpha_intra=1.0),
-             dict(call_s=1.0)]
-    call = replace(call, host_s=0.0)  # host planning runs inside the measured layer time: part of call_s
-    return np.array([layer_seconds(call, spec, Hardware(**{**base, **u}), 4)["total"] for u in units])
+PARAMS = ("gemm_rate", "mem_rate", "launch_s", "bw", "alpha", "call_s", "select_pair_s")
+
+
+def hardware(x: np.ndarray, peak: float, bw: float, cores: int) -> Hardware:
+    """The CPU profile for fitted parameters ``x`` (natural logs, so every rate stays positive)."""
+    v = dict(zip(PARAMS, np.exp(x)))
+    return Hardware(
+        name="CPU, 1 thread per rank, gloo on localhost (fitted)", peak_flops=peak, mem_bw=bw,
+        intra_bw=v["bw"], inter_bw=v["bw"], alpha_intra=v["alpha"], alpha_inter=v["alpha"], devices_per_node=64,
+        gemm_eff=v["gemm_rate"] / peak, mem_eff=v["mem_rate"] / bw, launch_s=v["launch_s"], call_s=v["call_s"],
+        select_pair_s=v["select_pair_s"], per_expert_gemm=True, cores=cores,
+    )
+
+
+def predict_ms(row: dict, hw: Hardware) -> float:
+    # host planning runs inside the measured layer time: it is part of call_s / select_pair_s here
+    return layer_seconds(replace(row["_call"], host_s=0.0), row["_spec"], hw, 4)["total"] * 1e3
 
 
 def microbench() -> tuple[float, float]:
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cores", type=int, default=None, help="cores the ranks share (default: os.cpu_count())")
     ap.add_argument("--out", help="write JSON {fit, held_back, hardware} here")
+    ap.add_argument("--measured", help="refit on the measurements of an earlier --out JSON (no timing runs)")
     ap.add_argument("--store", action="store_true", help=f"write the fitted profile to {CPU_CALIBRATION}")
     args = ap.parse_args(argv)
     import os
@@ -151,35 +159,39 @@ def main(argv: list[str] | None = None) -> dict:
     cores = args.cores or os.cpu_count() or 1
     peak, bw = microbench()
     rows = {}
+    before = json.loads(Path(args.measured).read_text())["rows"] if args.measured else None
     for group, shapes in (("fit", FIT), ("held_back", HELD_BACK)):
         for row in shapes:
-            m = measure(row, args.repeats)
+            if before is not None:  # refit on earlier measurements
+                m = {"measured_s": before[row[0]]["measured_ms"] / 1e3, "counts_SE": before[row[0]]["counts_SE"]}
+            else:
+                m = measure(row, args.repeats)
             spec, call = layer_call(row, m["counts_SE"])
             rows[row[0]] = {"set": group, "world": row[1], "system": row[2], "ratio": row[3], "tokens": row[4],
                             "D": row[5], "F": row[6], "E": row[7], "K": row[8], "measured_ms": m["measured_s"] * 1e3,
-                            "_spec": spec, "_call": call, "_x": unit_features(spec, call, cores)}
+                            "counts_SE": m["counts_SE"], "_spec": spec, "_call": call}
             print(f"measured {row[0]}: {m['measured_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     fit = [r for r in rows.values() if r["set"] == "fit"]
-    A = np.stack([r["_x"] for r in fit])
-    y = np.array([r["measured_ms"] / 1e3 for r in fit])
-    # relative least squares: every shape counts alike, whatever its size
-    theta, _ = nnls(A / y[:, None], np.ones_like(y))
-    inv_flops, inv_mem, launch_s, inv_bw, alpha, call_s = theta
-    hw = Hardware(
-        name="CPU, 1 thread per rank, gloo on localhost (fitted)",
-        peak_flops=peak, mem_bw=bw, intra_bw=1 / inv_bw if inv_bw > 0 else 1e30, inter_bw=1 / inv_bw if inv_bw > 0
-        else 1e30, alpha_intra=alpha, alpha_inter=alpha, devices_per_node=64,
-        gemm_eff=(1 / inv_flops) / peak if inv_flops > 0 else 1.0, mem_eff=(1 / inv_mem) / bw if inv_mem > 0 else 1.0,
-        launch_s=launch_s, call_s=call_s, per_expert_gemm=True, cores=cores,
-    )
+
+    def residuals(x: np.ndarray) -> np.ndarray:  # relative: every shape counts alike, whatever its size
+        hw = hardware(x, peak, bw, cores)
+        return np.array([predict_ms(r, hw) / r["measured_ms"] - 1 for r in fit])
+
+    # start: the microbenchmarks' rates, 10 us per GEMM call, 1 GB/s and 50 us for gloo, 1 ms per call
+    x0 = np.log([peak, bw, 1e-5, 1e9, 5e-5, 1e-3, 1e-7])
+    lo = np.log([peak / 100, bw / 100, 1e-9, 1e6, 1e-9, 1e-9, 1e-12])
+    hi = np.log([peak * 10, bw * 10, 1e-2, 1e12, 1e-1, 1.0, 1e-3])
+    x = least_squares(residuals, x0, bounds=(lo, hi)).x
+    hw = hardware(x, peak, bw, cores)
     for r in rows.values():
-        pred = layer_seconds(replace(r["_call"], host_s=0.0), r["_spec"], hw, 4)["total"] * 1e3
+        pred = predict_ms(r, hw)
         r["predicted_ms"] = pred
         r["error_pct"] = 100 * (pred - r["measured_ms"]) / r["measured_ms"]
     print(f"CPU cost model fitted on {len(fit)} shapes; matmul peak {peak / 1e9:.1f} GFLOP/s, copy "
           f"{bw / 1e9:.1f} GB/s (one thread); gemm_eff {hw.gemm_eff:.3f} mem_eff {hw.mem_eff:.3f} "
           f"per-expert GEMM {hw.launch_s * 1e6:.1f} us, gloo alpha {hw.alpha_intra * 1e6:.1f} us "
-          f"beta {hw.intra_bw / 1e9:.2f} GB/s, per call {hw.call_s * 1e3:.2f} ms; {cores} cores")
+          f"beta {hw.intra_bw / 1e9:.2f} GB/s, per call {hw.call_s * 1e3:.2f} ms, selection "
+          f"{hw.select_pair_s * 1e6:.2f} us/pair; {cores} cores")
     head = f"{'row':<4}{'set':<10}{'W':>3} {'system':<17}{'ratio':>6}{'T':>6}{'D':>5}{'F':>5}{'E':>4}{'K':>3}" \
            f"{'measured ms':>13}{'predicted ms':>14}{'error %':>9}"
     print(head)

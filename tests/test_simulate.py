@@ -119,23 +119,28 @@ def test_steps_to_target_interpolation(tmp_path):
 
 
 def _skewed_trace(path, steps=3, experts=16):
+    """A trace with a hottest expert ~5x the mean, in a fixed expert order, with some noise."""
     rng = np.random.default_rng(1)
-    counts = np.stack([[rng.zipf(1.5, experts).astype(np.float32) * 0 + 1 / np.arange(1, experts + 1) ** 1.2
-                        for _ in range(2)] for _ in range(steps)]).astype(np.float32) * 1000
-    np.savez_compressed(path, counts=counts)
+    zipf = 1000 / np.arange(1, experts + 1) ** 1.2
+    order = rng.permutation(experts)
+    counts = np.stack([[zipf[order] * rng.uniform(0.9, 1.1, experts) for _ in range(2)] for _ in range(steps)])
+    np.savez_compressed(path, counts=counts.astype(np.float32))
     return path
 
 
 def test_lrmoe_device_time_below_static_on_skewed_trace(tmp_path):
     trace = _skewed_trace(tmp_path / "routing.npz")
     cfg = SimConfig(model="qwen3-30b-a3b", gpus=16, memory_caps_gib=(200.0,), trace=str(trace), steps=3, layers=1,
-                    tokens_per_gpu=512, ratios=(0.5,))
+                    tokens_per_gpu=4096, ratios=(0.5,))
     doc, _ = simulate(cfg, progress=False)
     rows = doc["caps"]["200"]
     lr = rows["lrmoe-sampled@0.5"]
     assert lr["kept_ratio"] < 0.55
+    # device time (host planning, measured on this machine, left out): backward rows halved and
+    # replicas spread the hot experts, at the price of refreshing them every step
     device = {n: r["layer_ms"]["total"] - r["layer_ms"]["host"] for n, r in rows.items()}
     assert device["lrmoe-sampled@0.5"] <= device["static"]
+    assert lr["layer_ms"]["bwd_a2a"] < rows["static"]["layer_ms"]["bwd_a2a"]
     assert lr["peak_expert_side_bytes"] < rows["static"]["peak_expert_side_bytes"]
 
 
@@ -153,7 +158,7 @@ def test_cli_writes_table_and_results(tmp_path):
         for cap in doc[model].values():
             assert {"static", "symi", "capacity", "lrmoe-sampled@0.5"} <= set(cap)
             for row in cap.values():
-                assert KEYS <= set(row)
+                assert set(row) >= KEYS
     table = (out / "table.md").read_text()
     assert "## qwen3-30b-a3b" in table and "## glm45-air" in table and "vs symi" in table
     assert (out / "memory_sensitivity.png").stat().st_size > 0 and (out / "bandwidth_sensitivity.png").exists()

@@ -19,6 +19,8 @@ the CPU calibration (where the rates are fitted by least squares):
   rank. Exchanges: forward rows out and back (+ ‖h‖² for lrmoe), backward dy (+ x for lrmoe)
   and dx, the selection's score all-gather (lrmoe in the backward, capacity in the forward),
   replica refresh (owner → holder, every step) and replica-gradient reduction (holder → owner);
+- selection: scored pairs × ``select_pair_s`` (0 on GPU, where the sort passes above stand for
+  it; fitted on CPU, where scoring and exact top-q run as many small ops);
 - host time: the measured wall time of the library's planning calls (:mod:`lrmoe.sim.plan`);
 - CPU only: ranks beyond ``cores`` share them, so compute and memory terms scale by W/cores.
 
@@ -101,6 +103,7 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
         "bwd_gemm_bytes": bwd_gemm_bytes, "fwd_elem_bytes": fwd_elem, "bwd_elem_bytes": bwd_elem,
         "fwd_launches": fwd_launch, "bwd_launches": bwd_launch,
         "dense_flops": np.full_like(Rf, 3 * 2 * T * D * E + 3 * 6 * T * D * spec.shared_ffn_dim),
+        "select_pairs": np.full_like(Rf, T * K if call.system in ("lrmoe", "capacity") else 0.0),
     }
 
 
@@ -139,6 +142,7 @@ def layer_seconds(call: LayerCall, spec: ModelSpec, hw: Hardware, s: int = 2) ->
     for phase, bytes_SR in exchanges(call, spec, s):
         out[phase] += a2a_seconds(bytes_SR, hw)
     out["dense"] = float((f["dense_flops"] / (hw.peak_flops * hw.gemm_eff)).max()) * scale + hw.call_s
+    out["select"] += float(f["select_pairs"].max()) * hw.select_pair_s * scale
     out["host"] = call.host_s
     out["total"] = sum(out[p] for p in PHASES)
     return out

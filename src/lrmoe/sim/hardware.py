@@ -35,6 +35,7 @@ class Hardware:
     mem_eff: float  # share of mem_bw an elementwise / copy kernel reaches
     launch_s: float  # fixed cost of one kernel (or, on CPU, one per-expert GEMM call)
     call_s: float = 0.0  # fixed cost of one layer call (CPU: Python and autograd overhead)
+    select_pair_s: float = 0.0  # per scored pair of a selection beyond its sort passes (CPU: fitted)
     per_expert_gemm: bool = False  # CPU: the grouped GEMM is a loop of one GEMM per expert
     cores: int | None = None  # CPU: ranks beyond this share cores (compute slows by ranks/cores)
 

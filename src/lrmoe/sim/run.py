@@ -195,7 +195,8 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
         kept_calls[f"{cap_gib:g}"] = calls_by
     bar.close()
     meta = {
-        "model": spec.name, "gpus": W, "tokens_per_gpu": cfg.tokens_per_gpu, "link_gbps": cfg.link_gbps,
+        "model": spec.name, "moe_layers": spec.moe_layers, "gpus": W,
+        "tokens_per_gpu": cfg.tokens_per_gpu, "link_gbps": cfg.link_gbps,
         "routing": source, "layers_simulated": layers, "steps_simulated": int(counts.shape[0]),
         "compare": target.source, "selection": cfg.selection, "lrmoe_slots": cfg.lrmoe_slots,
         "target_steps_static": cfg.target_steps,
@@ -233,7 +234,11 @@ def _row(name: str, calls, cfg: SimConfig, cap: int, target: StepsToTarget, note
     row["steps_source"] = how
     oom = row["step_peak_bytes"] > cap
     row["status"] = "oom" if oom else ("not reached" if ratio is None else "ok")
-    row["moe_time_to_target_s"] = None if (oom or ratio is None) else row["step_ms"] / 1e3 * row["steps_to_target"]
+    ok = not oom and ratio is not None
+    row["moe_time_to_target_s"] = row["step_ms"] / 1e3 * row["steps_to_target"] if ok else None
+    # the same without host planning time (measured on the simulation host, in Python)
+    device_ms = row["step_ms"] - row["layer_ms"]["host"] * cfg.spec.moe_layers
+    row["device_time_to_target_s"] = device_ms / 1e3 * row["steps_to_target"] if ok else None
     if note:
         row["note"] = note
     return row
