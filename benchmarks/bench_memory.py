@@ -11,10 +11,11 @@ static-recompute, symi, capacity (factor 1.25), lrmoe with a per-rank budget of
 family (fastermoe, flexmoe, smartmoe with its pool built from static's recorded counts, laer,
 ultraep, topoep on two nodes). Each system runs ``--steps`` forward+backward steps with
 ``step_end()`` between them (replicas re-planned every 2 steps for lrmoe, every step for symi,
-flexmoe, smartmoe and topoep, every call for fastermoe, laer and ultraep). Figures: peak_expert_side_bytes (max over ranks and
-steps), max_rank_rows (most forward rows one rank computed), fwd/bwd_a2a_bytes (max over ranks,
-last step), placement_bytes (parameter bytes moved, all ranks and steps), forward_pairs_computed
-(all ranks, last step), kept_fraction (backward pairs kept / routed, last step).
+flexmoe, smartmoe and topoep, every call for fastermoe, laer and ultraep). Figures:
+peak_expert_side_bytes (max over ranks and steps), max_rank_rows (most forward rows one rank
+computed), fwd/bwd_a2a_bytes (max over ranks, last step), placement_bytes (parameter bytes moved,
+all ranks and steps), forward_pairs_computed (all ranks, last step), kept_fraction (backward
+pairs kept / routed, last step).
 """
 
 from __future__ import annotations
