@@ -95,7 +95,8 @@ def cmd_compare(args) -> None:
         if name == static_name:
             continue
         print(f"-- {name}", flush=True)
-        launch(compare.system_config(cfg, name), out / name, max_steps=max_steps, stop_at=target)
+        launch(compare.system_config(cfg, name, trace=out / static_name / "routing.npz"), out / name,
+               max_steps=max_steps, stop_at=target)
     names = [static_name] + [n for n in systems if n != static_name]
     results = {name: compare.summarise(name, out / name, target) for name in names}
     doc = {"target_loss": target, "unigram_loss": summary["unigram_loss"],
