@@ -2,7 +2,7 @@
 
     lrmoe train   --config FILE [--system NAME] [--nproc N] [--ep-size E] [--out DIR] [--resume] [--max-restarts R]
                   [--steps N] [--data PATH]
-    lrmoe compare --config FILE [--systems a,b,c] [--out DIR] [--nproc N] [--steps N] [--data PATH]
+    lrmoe compare --config FILE [--systems a,b,c] [--out DIR] [--resume] [--nproc N] [--steps N] [--data PATH]
 
 Ranks are launched through ``torch.distributed.run`` (gloo on CPU). A user error (bad config,
 missing data) exits with status 2 and one line on stderr, without a traceback.
@@ -89,14 +89,19 @@ def cmd_compare(args) -> None:
     static_name = "static"
     print(f"lrmoe compare: {', '.join(systems)}; static runs {steps} steps, target at step {target_step}, "
           f"the others up to {max_steps}", flush=True)
-    summary = launch(compare.system_config(cfg, static_name), out / static_name, eval_at=(target_step,))
+    def run(name: str, **kw) -> dict:
+        run_cfg = compare.system_config(cfg, name, trace=out / static_name / "routing.npz")
+        if args.resume and compare.finished(run_cfg, out / name):
+            print(f"-- {name}: finished earlier, kept (--resume)", flush=True)
+            return json.loads((out / name / "summary.json").read_text())
+        print(f"-- {name}", flush=True)
+        return launch(run_cfg, out / name, **kw)
+
+    summary = run(static_name, eval_at=(target_step,))
     target = cfg.compare.target_loss or compare.target_from_static(out / static_name, target_step)
     for name in systems:
-        if name == static_name:
-            continue
-        print(f"-- {name}", flush=True)
-        launch(compare.system_config(cfg, name, trace=out / static_name / "routing.npz"), out / name,
-               max_steps=max_steps, stop_at=target)
+        if name != static_name:
+            run(name, max_steps=max_steps, stop_at=target)
     names = [static_name] + [n for n in systems if n != static_name]
     results = {name: compare.summarise(name, out / name, target) for name in names}
     doc = {"target_loss": target, "unigram_loss": summary["unigram_loss"],
@@ -154,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     cp = sub.add_parser("compare", help="time to a target loss, system by system")
     _common(cp)
     cp.add_argument("--systems", help="comma-separated, e.g. static,symi,lrmoe@0.5 (overrides compare.systems)")
+    cp.add_argument("--resume", action="store_true",
+                    help="keep the systems whose runs in --out finished with the same config; run the rest")
     cp.set_defaults(fn=cmd_compare)
     sm = sub.add_parser("simulate", help="paper-scale projection of time to target and memory (docs/simulation.md)")
     sm.add_argument("--model", required=True, help="qwen3-30b-a3b, glm45-air or all")

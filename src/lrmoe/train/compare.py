@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lrmoe.train.config import ConfigError, RunConfig, parse_system_name
+from lrmoe.train.config import ConfigError, RunConfig, dump_toml, parse_system_name
 
 RESULT_KEYS = ("steps_to_target", "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes",
                "a2a_bytes", "placement_bytes")
@@ -32,10 +32,9 @@ def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunCo
     its offline pool from ``train.routing_trace`` or else from ``trace`` (static's routing.npz,
     recorded earlier in the same comparison) when it exists; the others take no trace."""
     system, selection, ratio = parse_system_name(name)
-    if system != "smartmoe":
-        cfg = cfg.with_train(routing_trace="")
-    elif not cfg.train.routing_trace and trace is not None and trace.exists():
-        cfg = cfg.with_train(routing_trace=str(trace))
+    routing_trace = cfg.train.routing_trace if system == "smartmoe" else ""
+    if system == "smartmoe" and not routing_trace and trace is not None and trace.exists():
+        routing_trace = str(trace)
     backward = cfg.backward
     try:
         if selection:
@@ -44,7 +43,13 @@ def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunCo
             backward = replace(backward, ratio=ratio)
     except ValueError as e:
         raise ConfigError(f"compare system {name!r}: {e}") from None
-    return replace(cfg.with_train(system=system), backward=backward)
+    return replace(cfg.with_train(system=system, routing_trace=routing_trace), backward=backward)
+
+
+def finished(cfg: RunConfig, folder: Path) -> bool:
+    """``folder`` holds a completed run of exactly this config (``lrmoe compare --resume``)."""
+    config, summary = folder / "config.toml", folder / "summary.json"
+    return summary.exists() and config.exists() and config.read_text() == dump_toml(cfg.to_dict())
 
 
 def read_metrics(folder: Path) -> list[dict]:
