@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lrmoe.layer import SYSTEMS
 from lrmoe.train.config import from_dict
 from lrmoe.train.loop import train
 
@@ -52,11 +53,13 @@ def train_case(group, cfg_kwargs: dict, out: str, resume=False, max_steps=None):
     return train(cfg, Path(out), group, resume=resume, max_steps=max_steps)
 
 
-@pytest.mark.parametrize("system", ["static", "static-recompute", "lrmoe", "masked", "symi", "capacity"])
+@pytest.mark.parametrize("system", SYSTEMS)
 def test_every_system_learns(pool2, tmp_path, system):
     kw = {"system": system, "steps": 10}
     if system in ("lrmoe", "masked"):
         kw["backward"] = {"ratio": 0.5}
+    if system == "topoep":
+        kw["budget"] = {"ranks_per_node": 1}
     pool2.run(2, train_case, kw, str(tmp_path))
     ls = losses(tmp_path)
     assert len(ls) == 10 and all(np.isfinite(ls))
@@ -67,6 +70,17 @@ def test_every_system_learns(pool2, tmp_path, system):
         assert key in rec, key
     counts = np.load(tmp_path / "routing.npz")["counts"]
     assert counts.shape == (10, 2, 4) and (counts.sum(-1) == 2 * 4 * 32 * 2).all()
+    if system == "topoep":  # one rank per node: every byte crosses nodes
+        assert rec["a2a_inter_bytes"] == rec["a2a_bytes"] > 0
+
+
+def test_smartmoe_trains_from_a_recorded_trace(pool2, tmp_path):
+    pool2.run(2, train_case, {"system": "static", "steps": 6}, str(tmp_path / "static"))
+    trace = str(tmp_path / "static" / "routing.npz")
+    pool2.run(2, train_case, {"system": "smartmoe", "steps": 6, "routing_trace": trace}, str(tmp_path / "smart"))
+    rows = [json.loads(line) for line in (tmp_path / "smart" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(np.isfinite(r["loss"]) for r in rows)
+    assert all(r["placement_bytes"] > 0 for r in rows[1:]), "replicas from the pool are refreshed every step"
 
 
 def test_resume_equals_uninterrupted(pool2, tmp_path):
@@ -138,12 +152,15 @@ def test_cli_user_errors_are_one_line(tmp_path):
     empty.write_text("  \n")
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nsteps = -3\n")
+    sub = tmp_path / "sub"
+    sub.mkdir()
     for args, needle in [
         (["train", "--config", str(cfg), "--data", str(tmp_path / "missing")], "no such file or folder"),
         (["train", "--config", str(cfg), "--data", str(empty)], "empty"),
         (["train", "--config", str(tmp_path / "nope.toml")], "no such file"),
         (["train", "--config", str(bad)], "train.steps=-3"),
         (["train", "--config", str(cfg), "--system", "fast"], "system='fast'"),
+        (["train", "--config", str(_config_file(sub, system="smartmoe", routing_trace=str(empty)))], "routing_trace"),
     ]:
         r = _cli(*args)
         assert r.returncode == 2, (args, r.stderr)

@@ -41,6 +41,10 @@ def _resolve(args) -> RunConfig:
         raise ConfigError(str(e)) from None
     if cfg.train.data != DEFAULT_CORPUS:
         read_corpus(cfg.train.data)  # a missing path or empty text fails here, before any rank starts
+    if cfg.train.routing_trace:
+        from lrmoe.train.loop import read_routing_trace
+
+        read_routing_trace(cfg.train.routing_trace, cfg.model)  # likewise an unreadable or mismatched trace
     return cfg
 
 

@@ -175,6 +175,7 @@ def _routed_forward(
     E, group, system = layer.config.num_experts, layer.group, layer.system
     wire = layer._wire()
     ids_P = call.ids_TK.reshape(-1)
+    pending_bytes = layer._placement_bytes  # moved since the last training call (step_end refreshes)
 
     counts_E = torch.bincount(ids_P, minlength=E).cpu()
     counts_SE = comm.all_gather(counts_E.view(1, E), [1] * layer.world, group, wire)
@@ -262,11 +263,11 @@ def _routed_forward(
         **({"fwd_a2a_inter_bytes": wire.inter_sent} if wire.node_of else {}),
         home_bytes=_nbytes(y_PD, weights_TK, call.ids_TK, plan.pair_idx, h_sq_P),
         peak_expert_side_bytes=meter.peak,  # the backward raises it to the whole call's peak
-        placement_bytes=layer._take_placement_bytes(),
+        placement_bytes=layer._take_placement_bytes(pending_bytes if not call.training else 0),
         optimizer_bytes=ADAM_STATES * _nbytes(gate_up, down),
         fwd_ms=(time.perf_counter() - t0) * 1e3,
     )
-    if system == "flexmoe":  # modelled, not moved: see docs/systems.md
+    if system == "flexmoe" and call.training:  # modelled, not moved: see docs/systems.md
         call.stats["bound_optimizer_bytes"], layer._bound_optimizer_bytes = layer._bound_optimizer_bytes, 0
     return out_TD, y_PD, h_sq_P
 
@@ -559,8 +560,11 @@ class MoELayer(nn.Module):
             self.group)
         self._stale = False
 
-    def _take_placement_bytes(self) -> int:
-        moved, self._placement_bytes = self._placement_bytes, 0
+    def _take_placement_bytes(self, keep: int = 0) -> int:
+        """Parameter bytes moved since the last take, less ``keep`` left for the next one: a
+        forward-only call reports only its own moves, so an evaluation between steps does not
+        swallow the training step's replica refresh."""
+        moved, self._placement_bytes = self._placement_bytes - keep, keep
         return moved
 
     def _observe_load(self, counts_E: torch.Tensor) -> None:

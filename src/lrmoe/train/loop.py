@@ -49,7 +49,7 @@ from lrmoe import comm
 from lrmoe.layer import TAKES_BUDGET, MoELayer
 from lrmoe.models import MoETransformer
 from lrmoe.train import checkpoint
-from lrmoe.train.config import RunConfig
+from lrmoe.train.config import ConfigError, RunConfig
 from lrmoe.train.data import Batches, TokenData
 
 
@@ -107,7 +107,7 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
     full = MoETransformer(model_cfg).state_dict()
     t = cfg.train
     budget = cfg.budget if t.system in TAKES_BUDGET else None
-    trace_SLE = _routing_trace(t.routing_trace, model_cfg) if t.routing_trace else None
+    trace_SLE = read_routing_trace(t.routing_trace, model_cfg) if t.routing_trace else None
 
     def make_moe(i: int) -> MoELayer:
         return MoELayer(model_cfg.moe, system=t.system, group=groups.ep_group, backward=cfg.backward,
@@ -125,15 +125,15 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
     return model
 
 
-def _routing_trace(path: str, model_cfg) -> torch.Tensor:
+def read_routing_trace(path: str, model_cfg) -> torch.Tensor:
     """(steps, MoE layers, experts) counts of an earlier run's routing.npz, checked against the model."""
     try:
         counts = np.load(path)["counts"]
     except (OSError, KeyError, ValueError) as e:
-        raise ValueError(f"train.routing_trace={path!r} cannot be read as a routing.npz with 'counts': {e}") from None
+        raise ConfigError(f"train.routing_trace={path!r} cannot be read as a routing.npz with 'counts': {e}") from None
     want = (model_cfg.n_layers - model_cfg.first_dense_layers, model_cfg.moe.num_experts)
     if counts.ndim != 3 or counts.shape[1:] != want or not len(counts):
-        raise ValueError(f"train.routing_trace={path!r} holds counts of shape {counts.shape}, expected "
+        raise ConfigError(f"train.routing_trace={path!r} holds counts of shape {counts.shape}, expected "
                          f"(steps, {want[0]}, {want[1]}) for this model")
     return torch.from_numpy(counts.astype(np.float64))
 
