@@ -263,6 +263,14 @@ def test_topoep_same_peak_fewer_cross_node_rows():
     plain = assign_min_peak(counts_SE.t(), plan.holder_lists)
     local = localize(plain, node_of)
     assert torch.equal(local.sum(1), plain.sum(1)) and torch.equal(local.sum(2), plain.sum(2))
+    on_source = torch.minimum(plain.sum(2), plain.sum(1))  # most rows each rank can keep itself
+    assert torch.equal(torch.diagonal(local, dim1=1, dim2=2), on_source)
+    # inside a node, every row that can stay does: cross-node rows per expert and node are the
+    # node's surplus of sources over holders, no more
+    node = torch.tensor(node_of)
+    for n in (0, 1):
+        surplus = (local.sum(2)[:, node == n].sum(1) - local.sum(1)[:, node == n].sum(1)).clamp(min=0)
+        assert torch.equal(local[:, node == n][:, :, node != n].sum((1, 2)), surplus)
     cross = torch.tensor(node_of)[:, None] != torch.tensor(node_of)[None, :]
 
     def cross_rows(a):
@@ -270,3 +278,15 @@ def test_topoep_same_peak_fewer_cross_node_rows():
 
     assert cross_rows(local) <= cross_rows(plain)
     assert peak_rows(local) < peak_rows(base.owner_assignment(counts_SE))
+
+
+def test_localize_undoes_a_cross_node_matching():
+    # one expert on ranks 1 (node 0) and 2 (node 1); source 0 sent to rank 2 and source 3 to rank 1
+    assign = torch.zeros(1, 4, 4, dtype=torch.long)
+    assign[0, 0, 2] = assign[0, 3, 1] = 10
+    assign[0, 1, 1] = 5  # rank 1's own rows stay
+    local = localize(assign, [0, 0, 1, 1])
+    want = torch.zeros_like(assign)
+    want[0, 0, 1] = want[0, 3, 2] = 10
+    want[0, 1, 1] = 5
+    assert torch.equal(local, want)

@@ -68,12 +68,12 @@ def _shadow_time(counts_SE: np.ndarray, owner_E: np.ndarray, shadow: np.ndarray,
     the slowest rank's compute plus its token traffic, plus its weight broadcasts and gradient
     reductions as the owner of shadowed experts (counted in full: no overlap is modelled)."""
     S, E = counts_SE.shape
-    local = counts_SE * shadow  # shadowed pairs stay where they come from
-    remote = counts_SE * ~shadow
-    to_owner_R = np.bincount(owner_E, weights=remote.sum(0), minlength=S)
-    kept_home_R = np.array([remote[s, owner_E == s].sum() for s in range(S)])
-    rows_R = local.sum(1) + to_owner_R
-    sent_R = remote.sum(1) - kept_home_R
+    local_SE = counts_SE * shadow  # shadowed pairs stay where they come from
+    owned_SE = counts_SE * ~shadow  # the others go to their owner
+    to_owner_R = np.bincount(owner_E, weights=owned_SE.sum(0), minlength=S)
+    kept_home_R = (owned_SE * (owner_E[None, :] == np.arange(S)[:, None])).sum(1)  # owner's own pairs
+    rows_R = local_SE.sum(1) + to_owner_R
+    sent_R = owned_SE.sum(1) - kept_home_R
     recv_R = to_owner_R - kept_home_R
     wire_R = np.maximum(sent_R, recv_R) * cost.row_wire_bytes
     per_rank = rows_R * cost.row_s + wire_R * cost.byte_s
@@ -216,21 +216,32 @@ def laer_layout(counts_E: torch.Tensor, base: Placement, slots_R: list[int]) -> 
 
 
 # ------------------------------------------------------------------------------- topoep
+def _cumsum_within(x_EN: torch.Tensor, group_N: torch.Tensor) -> torch.Tensor:
+    """Cumulative sums along N that restart in every group (members in index order)."""
+    out = torch.empty_like(x_EN)
+    for g in group_N.unique():
+        idx = (group_N == g).nonzero().squeeze(1)
+        out[:, idx] = x_EN[:, idx].cumsum(1)
+    return out
+
+
+def _in_order(supply_ES: torch.Tensor, demand_ER: torch.Tensor, group_S: torch.Tensor, group_R: torch.Tensor
+              ) -> torch.Tensor:
+    """Per expert and group, sources fill holders in rank order (the north-west corner rule):
+    laid end to end on one axis, source s and holder r exchange the overlap of their intervals."""
+    hi_S, hi_R = _cumsum_within(supply_ES, group_S), _cumsum_within(demand_ER, group_R)
+    lo_S, lo_R = hi_S - supply_ES, hi_R - demand_ER
+    flow = torch.minimum(hi_S[:, :, None], hi_R[:, None, :]) - torch.maximum(lo_S[:, :, None], lo_R[:, None, :])
+    return flow.clamp(min=0) * (group_S[:, None] == group_R[None, :])
+
+
 def localize(assign_ESR: torch.Tensor, node_of: list[int]) -> torch.Tensor:
     """Re-match sources to holders without changing any rank's rows of any expert (so the peak
     is unchanged): first on the source rank itself, then inside its node, then across nodes, in
     rank order. For fixed per-holder totals this minimises the pairs that cross nodes."""
-    E, S, R = assign_ESR.shape
-    supply_ES = assign_ESR.sum(2).clone()
-    demand_ER = assign_ESR.sum(1).clone()
-    out = torch.zeros_like(assign_ESR)
-    node = torch.tensor(node_of)
-    stages = [torch.eye(S, R, dtype=torch.bool), node[:S, None] == node[None, :R], torch.ones(S, R, dtype=torch.bool)]
-    for allowed in stages:
-        for s in range(S):
-            for r in allowed[s].nonzero().squeeze(1).tolist():
-                take = torch.minimum(supply_ES[:, s], demand_ER[:, r])
-                out[:, s, r] += take
-                supply_ES[:, s] -= take
-                demand_ER[:, r] -= take
+    supply_ES, demand_ER = assign_ESR.sum(2), assign_ESR.sum(1)
+    out = torch.diag_embed(torch.minimum(supply_ES, demand_ER))  # on the source itself (S = R)
+    node = torch.tensor(node_of[: assign_ESR.shape[1]])
+    for group in (node, torch.zeros_like(node)):  # inside each node, then anywhere
+        out = out + _in_order(supply_ES - out.sum(2), demand_ER - out.sum(1), group, group)
     return out
