@@ -475,8 +475,7 @@ class MoELayer(nn.Module):
         budgeted = budget is not None and budget.memory_bytes is not None and system == "lrmoe"
         self.controller = Controller(config, budget, self.world) if budgeted else None
         link = budget.inter_node_gbps if budget is not None and budget.inter_node_gbps else CostModel.link_gbps
-        self.costs = CostModel(config.dim, config.ffn_dim, dtype.itemsize,
-                               link_gbps=link)
+        self.costs = CostModel(config.dim, config.ffn_dim, dtype.itemsize, link_gbps=link)
         self._slots_R = self._plan_slots(budget)
         self._load_E = torch.ones(config.num_experts, dtype=torch.float64)
         self._steps = 0

@@ -80,44 +80,40 @@ def plot_sensitivity(out: Path, results: dict[str, dict], bandwidth: dict[str, d
                      ) -> list[Path]:
     """``memory_sensitivity.png`` (time to target vs GPU memory cap) and
     ``bandwidth_sensitivity.png`` (vs inter-node link), one panel per model."""
+    models = list(results)
+    by_memory = {}  # model -> system -> {cap: MoE time to target}
+    for model in models:
+        caps = results[model]["caps"]
+        by_memory[model] = {name: {float(c): caps[c][name].get("moe_time_to_target_s") for c in caps}
+                            for name in next(iter(caps.values()))}
+    largest = {model: max(results[model]["caps"], key=float) for model in models}
+    return [
+        _panels(out / "memory_sensitivity.png", by_memory, lambda m: f"{m}: sensitivity to GPU memory",
+                "GPU memory cap (GiB)", "linear"),
+        _panels(out / "bandwidth_sensitivity.png", {m: bandwidth.get(m, {}) for m in models},
+                lambda m: f"{m}: sensitivity to link bandwidth ({largest[m]} GiB)", "inter-node Gbit/s per GPU",
+                "log"),
+    ]
+
+
+def _panels(path: Path, series: dict[str, dict[str, dict[float, float | None]]], title, xlabel: str,
+            xscale: str) -> Path:
+    """One panel per model, one line per system (points without a value left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(results)
-    paths = []
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        caps = results[model]["caps"]
-        systems = list(next(iter(caps.values())))
-        for name in systems:
-            xs = [float(c) for c in caps if caps[c][name].get("moe_time_to_target_s") is not None]
-            ys = [caps[f"{x:g}"][name]["moe_time_to_target_s"] for x in xs]
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4), squeeze=False)
+    for ax, (model, systems) in zip(axes[0], series.items()):
+        for name, points in systems.items():
+            xs = sorted(x for x, y in points.items() if y is not None)
             if xs:
-                ax.plot(xs, ys, marker="o", label=name)
-        ax.set(title=f"{model}: sensitivity to GPU memory", xlabel="GPU memory cap (GiB)",
-               ylabel="MoE time to target (s)")
+                ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+        ax.set(title=title(model), xlabel=xlabel, ylabel="MoE time to target (s)", xscale=xscale)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out / "memory_sensitivity.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        cap = max(results[model]["caps"], key=float)
-        for name, series in bandwidth.get(model, {}).items():
-            xs = sorted(g for g, v in series.items() if v is not None)
-            if xs:
-                ax.plot(xs, [series[g] for g in xs], marker="o", label=name)
-        ax.set(title=f"{model}: sensitivity to link bandwidth ({cap} GiB)", xlabel="inter-node Gbit/s per GPU",
-               ylabel="MoE time to target (s)", xscale="log")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "bandwidth_sensitivity.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return path
