@@ -696,3 +696,8 @@ class MoELayer(nn.Module):
     def update_router_bias(self, counts_E: torch.Tensor, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing (sigmoid router), once per optimizer step, global counts."""
         self.router.update_bias(counts_E, rate)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    """Every :class:`MoELayer` in ``model`` with its qualified name, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]

@@ -1,0 +1,117 @@
+"""One byte model of the expert side, shared by the layer's meter, the controller, the
+planners' cost models and the simulator (docs/design.md "Expert-side memory").
+
+With D model dim, F expert hidden dim and s bytes per element:
+
+- an expert copy's parameters (gate, up, down): ``3·D·F·s``; a slot holds them and their
+  gradient buffer;
+- a row of x, y, dy or dx: ``D·s``; the four (row, F) activations gate, up, silu(gate), h:
+  ``4·F·s``; ‖h‖² for the LRM scores: 8 bytes (float64);
+- with replicas, the owned weights are copied once more into the concatenated slot weights,
+  and replica gradients leave through a send buffer of one copy's parameters per replica.
+
+:class:`MemoryMeter` follows the tensors the routed path really allocates; the controller and
+the simulator use the same figures through :class:`ByteModel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe.config import MoEConfig
+
+H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
+GIB = 1 << 30
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def expert_param_bytes(dim: int, ffn_dim: int, dtype_bytes: int) -> int:
+    """Parameters of one expert copy: gate and up (F×D each) and down (D×F)."""
+    return 3 * dim * ffn_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class ByteModel:
+    """Expert-side bytes per slot and per row for one layer shape."""
+
+    dim: int
+    ffn_dim: int
+    dtype_bytes: int
+    selective: bool = True  # the forward also computes ‖h‖² per row (selective backwards)
+
+    @staticmethod
+    def of(config: MoEConfig, selective: bool = True) -> ByteModel:
+        return ByteModel(config.dim, config.ffn_dim, config.torch_dtype.itemsize, selective)
+
+    @property
+    def slot_params(self) -> int:
+        """Parameters of one expert copy (a replica refresh, a replica's gradient buffer)."""
+        return expert_param_bytes(self.dim, self.ffn_dim, self.dtype_bytes)
+
+    @property
+    def slot(self) -> int:
+        """Parameters and gradient buffer of one expert copy."""
+        return 2 * self.slot_params
+
+    @property
+    def row(self) -> int:
+        """One row of x, y, dy or dx."""
+        return self.dim * self.dtype_bytes
+
+    @property
+    def fwd_io(self) -> int:
+        """x received and y returned per forward row (and ‖h‖² for the selective systems)."""
+        return 2 * self.row + (H_SQ_BYTES if self.selective else 0)
+
+    @property
+    def fwd_compute(self) -> int:
+        """gate, up, silu(gate) and h of one row being computed."""
+        return 4 * self.ffn_dim * self.dtype_bytes
+
+    @property
+    def bwd_kept(self) -> int:
+        """dy, x and the recomputed gate, up, silu, h per kept backward row."""
+        return 2 * self.row + self.fwd_compute
+
+    @property
+    def bwd_wire(self) -> int:
+        """dy and x in, dx out per kept backward row."""
+        return 3 * self.row
+
+    def slots_held(self, copies: int, owned: int) -> int:
+        """A rank's persistent expert memory: its copies' parameters and gradient buffers, plus
+        the owned weights' second copy inside the concatenated slot weights when it holds
+        replicas."""
+        return copies * self.slot + (owned * self.slot_params if copies > owned else 0)
+
+    def slots_reserved(self, copies: int, owned: int) -> int:
+        """:meth:`slots_held` plus the buffer replica gradients leave through: what a budget
+        must set aside for a rank's slots."""
+        return self.slots_held(copies, owned) + (copies - owned) * self.slot_params
+
+
+class MemoryMeter:
+    """Bytes a rank holds for the experts during one layer call, and their peak.
+
+    Follows the lifetimes of the tensors the routed path allocates: parameters and gradient
+    buffers, received rows, intermediates, send/receive buffers of the backward.
+    """
+
+    def __init__(self, base: int) -> None:
+        self.now = self.peak = base
+
+    def hold(self, *tensors: torch.Tensor | None) -> None:
+        self.now += nbytes(*tensors)
+        self.peak = max(self.peak, self.now)
+
+    def drop(self, *tensors: torch.Tensor | None) -> None:
+        self.now -= nbytes(*tensors)
+
+    def reach(self, extra: int) -> None:
+        """A transient of ``extra`` bytes on top of what is held (freed at once)."""
+        self.peak = max(self.peak, self.now + extra)
