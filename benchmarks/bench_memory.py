@@ -27,7 +27,7 @@ import torch
 from common import print_table, run_ranks, write_json
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
-from lrmoe.layer import REPLICATION_FAMILY
+from lrmoe.systems import REPLICATION_FAMILY
 
 SYSTEMS = ("static", "static-recompute", "symi", "capacity", "lrmoe", *REPLICATION_FAMILY)
 

@@ -97,15 +97,25 @@ def test_capacity_respected_or_infeasible(inst, data):
 
 @settings(max_examples=100, deadline=None)
 @given(instances(max_e=16, max_r=6))
-def test_locality_when_all_local_is_optimal(inst):
-    """Make every expert held by every rank with rows: keeping all rows local is then one
-    assignment; when its peak is optimal, the result must keep every row local."""
+def test_full_replication_peak_and_locality(inst):
+    """Every rank holds every expert and no rank has a base load. Then any split is allowed, so
+    the optimal peak is P = ceil(total / R), never above the all-local peak (the largest
+    column sum); and a rank must hand off at least max(own_r − P, 0) of its own rows, so the
+    most rows that can stay on rank r is min(own_r, P). The assignment must reach both bounds:
+    optimal peak, and on every rank exactly min(own_r, P) of its own rows kept local (in
+    particular every row stays local when the all-local assignment is already optimal)."""
     counts, _, _ = inst
     E, R = counts.shape
     holders = [list(range(R))] * E
-    local_peak = int(counts.sum(0).max())
+    own_R = counts.sum(0)
+    local_peak = int(own_R.max())
     assign = assign_min_peak(counts, holders)
     peak = check(counts, holders, assign)
+    want = -(-int(counts.sum()) // R)
+    assert peak == want, "not the optimal peak ceil(total / R)"
+    assert peak <= local_peak, "worse than keeping every row local"
+    kept_local_R = assign[:, torch.arange(R), torch.arange(R)].sum(0)
+    assert torch.equal(kept_local_R, torch.clamp(own_R, max=peak)), "rows moved that could have stayed"
     if peak == local_peak:
         diag = assign[:, torch.arange(R), torch.arange(R)]
         assert torch.equal(diag, counts), "an optimal all-local assignment exists but rows moved"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer, comm
-from lrmoe.selection import _largest_remainder, fixed_ratio_quota
+from lrmoe.selection import fixed_ratio_quota, largest_remainder
 from tests.reference import dense_moe, reference_grads
 from tests.test_counters import Recorder
 from tests.test_layer import GLM, QWEN, close, make_problem, split_tokens
@@ -194,16 +194,16 @@ def test_random_and_local_selection(pool, world):
     loc = pool.run(world, selection_case, "local", 0)
     quota = loc[0][2]
     counts_SE = torch.stack([torch.bincount(r[4].flatten(), minlength=8) for r in loc])
-    share = _largest_remainder(quota, counts_SE)
+    share = largest_remainder(quota, counts_SE)
     for r in range(world):
         assert torch.equal(loc[r][1], share[r]), "each rank keeps its largest-remainder share"
     assert torch.equal(share.sum(0), quota)
 
 
-def test_largest_remainder():
+def testlargest_remainder():
     counts = torch.tensor([[3, 0, 5], [3, 2, 5], [4, 0, 0]])
     total = torch.tensor([5, 1, 3])
-    share = _largest_remainder(total, counts)
+    share = largest_remainder(total, counts)
     assert share.sum(0).tolist() == [5, 1, 3]
     assert (share <= counts).all()
     # expert 0: exact 1.5, 1.5, 2.0 → floors 1, 1, 2, the one left to the lower rank on a tie

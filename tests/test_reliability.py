@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer, comm
-from lrmoe.layer import SYSTEMS
+from lrmoe.systems import SYSTEMS
 from tests.reference import reference_grads
 from tests.test_layer import close, split_tokens
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
-from lrmoe.controller import Controller, RowCosts, max_min_quotas
+from lrmoe.controller import Controller, max_min_quotas
+from lrmoe.meter import ByteModel
 from lrmoe.placement import Placement, plan_replicas
 from tests.reference import reference_grads
 from tests.test_layer import close, make_problem, split_tokens
@@ -119,7 +120,7 @@ def test_max_min_quotas_properties():
 
 def test_controller_budget_errors():
     cfg = MoEConfig(**CFG)
-    slot = RowCosts.of(cfg).slot
+    slot = ByteModel.of(cfg).slot
     with pytest.raises(ValueError, match="memory budget too small"):
         Controller(cfg, ClusterBudget(slot), 2).slots(Placement.static(8, 2))
     with pytest.raises(ValueError, match="memory_bytes"):

@@ -9,7 +9,6 @@ import torch
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
 from lrmoe.balance import assign_min_peak
-from lrmoe.layer import PER_CALL, REPLICATION_FAMILY
 from lrmoe.placement import Placement, plan_replicas
 from lrmoe.planners import (
     CostModel,
@@ -22,10 +21,13 @@ from lrmoe.planners import (
     predicted_rank_load,
     shadow_experts,
 )
+from lrmoe.systems import REPLICATION_FAMILY, PlacementKind, names_where
 from tests.reference import reference_grads
 from tests.test_counters import Recorder
 from tests.test_layer import close, split_tokens
 from tests.test_replicas import skewed_tokens
+
+PER_CALL = names_where(placement=PlacementKind.PER_CALL) + names_where(placement=PlacementKind.SHARDED)
 
 CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
 FAST_LINK = 1e6  # Gbit/s: moving weights is nearly free, so cost-driven planners do move them

@@ -20,7 +20,8 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is invalid: {allowed}")
 
 
-def _positive_int(field: str, value: object) -> None:
+def positive_int(field: str, value: object) -> None:
+    """Raise a ValueError naming ``field`` unless ``value`` is an int >= 1 (bools are not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _bad(field, value, "expected an integer >= 1")
 
@@ -69,7 +70,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         for name in ("dim", "ffn_dim", "num_experts", "top_k", "n_group", "topk_group"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.top_k > self.num_experts:
             raise _bad("top_k", self.top_k, f"expected 1 <= top_k <= num_experts={self.num_experts}")
         if self.router not in ROUTERS:
@@ -97,7 +98,7 @@ class MoEConfig:
                 or self.num_shared_experts < 0:
             raise _bad("num_shared_experts", self.num_shared_experts, "expected an integer >= 0")
         if self.shared_ffn_dim is not None:
-            _positive_int("shared_ffn_dim", self.shared_ffn_dim)
+            positive_int("shared_ffn_dim", self.shared_ffn_dim)
         for name in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):

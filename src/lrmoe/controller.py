@@ -23,41 +23,16 @@ leftover capacity is filled. Deterministic and identical on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from lrmoe.balance import max_flow
 from lrmoe.config import ClusterBudget, MoEConfig
+from lrmoe.meter import ByteModel
 from lrmoe.placement import Placement
 
 # Share of the memory left after owned experts that a budget-derived plan may give to replicas.
 REPLICA_MEMORY_SHARE = 0.25
-H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
-
-
-@dataclass(frozen=True)
-class RowCosts:
-    """Expert-side bytes per slot and per row (DESIGN.md "Expert-side memory")."""
-
-    slot: int  # parameters + gradient buffer of one expert copy
-    slot_params: int  # parameters of one expert copy (replica refresh / gradient buffers)
-    fwd_io: int  # x received + y returned, per forward row
-    fwd_compute: int  # gate, up, silu(gate), h per row being computed
-    bwd_kept: int  # dy, x, gate, up, silu, h per kept backward row
-    bwd_wire: int  # dy and x in, dx out per kept row
-
-    @staticmethod
-    def of(config: MoEConfig, selective: bool = True) -> RowCosts:
-        s = torch.empty((), dtype=config.torch_dtype).element_size()
-        D, F = config.dim, config.ffn_dim
-        params = 3 * D * F * s
-        return RowCosts(
-            slot=2 * params, slot_params=params,
-            fwd_io=2 * D * s + (H_SQ_BYTES if selective else 0), fwd_compute=4 * F * s,
-            bwd_kept=(2 * D + 4 * F) * s, bwd_wire=3 * D * s,
-        )
 
 
 class Controller:
@@ -66,7 +41,7 @@ class Controller:
     def __init__(self, config: MoEConfig, budget: ClusterBudget, world: int) -> None:
         self.config, self.budget, self.world = config, budget, world
         self.memory_R, self.network_R, self.fixed_slots_R = budget.per_rank(world)
-        self.costs = RowCosts.of(config)
+        self.costs = ByteModel.of(config)
 
     # ------------------------------------------------------------------ slots
     def slots(self, base: Placement) -> list[int]:
@@ -90,12 +65,7 @@ class Controller:
         return out
 
     def _slot_bytes(self, placement: Placement, r: int) -> int:
-        copies = len(placement.slots[r])
-        replicas = len(placement.replicas(r))
-        # copies' parameters + gradients; with replicas, the buffer their gradients leave
-        # through and the owned weights' second copy in the concatenated slot weights
-        extra = (replicas + len(placement.owned(r))) * self.costs.slot_params if replicas else 0
-        return copies * self.costs.slot + extra
+        return self.costs.slots_reserved(len(placement.slots[r]), len(placement.owned(r)))
 
     def check_slots(self, placement: Placement) -> None:
         for r in range(self.world):

@@ -1,5 +1,7 @@
-"""Row plans: which of this rank's token–expert pairs go to which rank, and how received rows
-are regrouped by expert. Parameter-free and deterministic.
+"""Row plans and the movement of rows: which of this rank's token–expert pairs go to which
+rank, how received rows are regrouped by expert, and the exchanges that carry them there and
+back. Parameter-free; the plans are deterministic. This is the compaction room: a backward plan
+over the kept pairs only makes every message and every GEMM smaller.
 
 A plan is derived from ``assign_ESR`` (pairs of expert e from source rank s computed at rank
 r), which every rank knows identically after the count exchange, so split sizes never need a
@@ -17,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lrmoe import comm
+from lrmoe.comm import Group, WireCounter
+from lrmoe.meter import MemoryMeter
 from lrmoe.placement import Placement
 
 
@@ -84,3 +89,26 @@ def _regroup(counts_SL: torch.Tensor) -> torch.Tensor | None:
     dst_start_LS = counts_LS.cumsum(0) - counts_LS
     shift = torch.repeat_interleave(start_LS - dst_start_LS, counts_LS, output_size=total)
     return shift + torch.arange(total)
+
+
+def to_experts(send_ND: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounter,
+               meter: MemoryMeter) -> torch.Tensor:
+    """Send home rows (in ``plan.pair_idx`` order) to the experts; returns them received and
+    regrouped slot-major, their bytes held in ``meter``."""
+    recv_RD = comm.all_to_all(send_ND, plan.send_splits, plan.recv_splits, group, wire)
+    meter.hold(recv_RD)
+    if plan.regroup_idx is None:
+        return recv_RD
+    rows_RD = recv_RD[plan.regroup_idx.to(recv_RD.device)]
+    meter.hold(rows_RD)
+    meter.drop(recv_RD)
+    return rows_RD
+
+
+def to_home(rows_RX: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounter) -> torch.Tensor:
+    """Inverse of :func:`to_experts`: slot-major expert rows back to their home ranks."""
+    if plan.regroup_idx is not None:
+        back = torch.empty_like(rows_RX)
+        back[plan.regroup_idx.to(rows_RX.device)] = rows_RX
+        rows_RX = back
+    return comm.all_to_all(rows_RX, plan.recv_splits, plan.send_splits, group, wire)

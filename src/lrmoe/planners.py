@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lrmoe.meter import expert_param_bytes
 from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
 
 ADAM_STATES = 2  # optimizer state per parameter moved with a bound (FlexMoE) replica
@@ -54,7 +55,7 @@ class CostModel:
 
     @property
     def expert_bytes(self) -> int:
-        return 3 * self.dim * self.ffn_dim * self.elem_bytes
+        return expert_param_bytes(self.dim, self.ffn_dim, self.elem_bytes)
 
     @property
     def row_wire_bytes(self) -> int:

@@ -76,7 +76,7 @@ def _position_in_block(sorted_block_ids: torch.Tensor, block_sizes: torch.Tensor
     return torch.arange(sorted_block_ids.numel(), device=sorted_block_ids.device) - starts[sorted_block_ids]
 
 
-def _largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
+def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
     """Split total_E[e] over ranks in proportion to counts_SE[:, e]; floors, then the largest
     remainders (ties: lower rank) get one more. Sums exactly to total_E."""
     c = counts_SE.to(torch.float64)
@@ -127,7 +127,7 @@ def select(
 
     if cfg.selection == "local":
         # Non-finite pairs first, then the rest of q_e apportioned by finite local counts.
-        kept_SE = _largest_remainder(quota_E - nf_E, counts_SE - nf_SE) + nf_SE
+        kept_SE = largest_remainder(quota_E - nf_E, counts_SE - nf_SE) + nf_SE
     elif W == 1:  # the local top-q_e is the global one
         kept_SE = quota_E.view(1, E).clone()
     else:  # exact global top-q_e by merging every rank's candidates

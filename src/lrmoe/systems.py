@@ -12,31 +12,31 @@ form (docs/design.md "Systems").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class PlacementKind(str, Enum):
+class PlacementKind(StrEnum):
     STATIC = "static"  # one copy per expert, fixed
     PER_STEP = "per_step"  # replicas re-planned between optimizer steps, refreshed after each
     PER_CALL = "per_call"  # placement planned from each call's own counts, copies fetched in the call
     SHARDED = "sharded"  # every expert sharded over all ranks, assembled where a call places it
 
 
-class BackwardKind(str, Enum):
+class BackwardKind(StrEnum):
     FULL = "full"  # every pair; the expert side saves x and the activations from the forward
     RECOMPUTE = "recompute"  # every pair; x saved, gate/up and h recomputed
     SELECTIVE = "selective"  # kept pairs only, compacted; x re-sent by home, gate/up/h recomputed
     MASKED = "masked"  # the selective kept set applied to full-size tensors (ablation)
 
 
-class Assignment(str, Enum):
+class Assignment(StrEnum):
     OWNER = "owner"  # single copies: pairs go to the owner
     MIN_PEAK = "min_peak"  # replicated experts spread by assign_min_peak
     LOCAL = "local"  # shadowed experts compute where their pairs are (FasterMoE)
     LOCALIZED = "localized"  # min-peak, then pairs re-matched to holders inside their node (TopoEP)
 
 
-class Planner(str, Enum):
+class Planner(StrEnum):
     """Which planner decides a replicated system's placement."""
 
     NONE = "none"

@@ -1,11 +1,11 @@
 """A GPU's memory cap → each system's whole-step memory, and lrmoe's per-layer budget.
 
 A training step holds, per GPU and for every MoE layer at once: the layer's expert copies
-(parameters + gradient buffers, :func:`slot_bytes`), the owned experts' optimizer state, the
-home-side tensors (:func:`home_bytes`), the router's and shared expert's state and activations;
-and, when the backward begins, what each layer's expert side kept from its forward
-(:func:`kept_between_passes`: rows and activations for static-like systems, nothing for lrmoe).
-On top comes the transient peak of the one layer being computed (its
+(parameters + gradient buffers, :meth:`lrmoe.meter.ByteModel.slots_held`), the owned experts'
+optimizer state, the home-side tensors (:func:`home_bytes`), the router's and shared expert's
+state and activations; and, when the backward begins, what each layer's expert side kept from
+its forward (:func:`kept_between_passes`: rows and activations for static-like systems, nothing
+for lrmoe). On top comes the transient peak of the one layer being computed (its
 ``peak_expert_side_bytes`` less its slots, already counted). The representative layers stand
 for all: kept bytes are their mean times the other layers, the transient their maximum.
 
@@ -19,13 +19,15 @@ import numpy as np
 
 from lrmoe.config import ClusterBudget
 from lrmoe.controller import Controller
+from lrmoe.meter import GIB, ByteModel, expert_param_bytes
 from lrmoe.placement import Placement
 from lrmoe.sim.errors import SimError
-from lrmoe.sim.memory import home_bytes, slot_bytes
+from lrmoe.sim.memory import home_bytes
 from lrmoe.sim.models import ModelSpec
 from lrmoe.sim.plan import LayerCall
+from lrmoe.systems import spec_of
 
-GIB = 1 << 30
+__all__ = ["GIB", "dense_bytes", "lrmoe_budget", "per_layer_state", "step_peak_bytes"]
 
 
 def dense_bytes(spec: ModelSpec, tokens: int, s: int, optimizer_bytes_per_param: float) -> int:
@@ -38,7 +40,9 @@ def dense_bytes(spec: ModelSpec, tokens: int, s: int, optimizer_bytes_per_param:
 
 def per_layer_state(spec: ModelSpec, tokens: int, s: int, opt: float, selective: bool, owned: int) -> int:
     """Bytes of one layer that do not depend on placement: optimizer, home side, dense part."""
-    return int(owned * 3 * spec.dim * spec.ffn_dim * opt + home_bytes(tokens, spec.dim, spec.top_k, s, selective)
+    params = expert_param_bytes(spec.dim, spec.ffn_dim, 1)  # parameters of one expert
+    return int(owned * params * opt
+               + home_bytes(tokens, spec.dim, spec.top_k, s, selective)
                + dense_bytes(spec, tokens, s, opt))
 
 
@@ -46,12 +50,13 @@ def step_peak_bytes(spec: ModelSpec, calls: list[list[LayerCall]], s: int, opt: 
     """Peak bytes per GPU of a whole training step (max over ranks and simulated steps);
     ``calls[step][layer]`` are the representative layers' calls."""
     L = spec.moe_layers
+    bytes_ = ByteModel(spec.dim, spec.ffn_dim, s)
     worst = 0
     for layer_calls in calls:
         c0 = layer_calls[0]
-        slots_R = np.array([slot_bytes(spec.dim, spec.ffn_dim, s, int(c), int(o))
-                            for c, o in zip(c0.copies_R, c0.owned_R)])
-        state_R = np.array([per_layer_state(spec, c0.tokens_per_rank, s, opt, c0.system == "lrmoe", int(o))
+        selective = spec_of(c0.system).selective  # the home side keeps ‖h‖² to the backward
+        slots_R = np.array([bytes_.slots_held(int(c), int(o)) for c, o in zip(c0.copies_R, c0.owned_R)])
+        state_R = np.array([per_layer_state(spec, c0.tokens_per_rank, s, opt, selective, int(o))
                             for o in c0.owned_R])
         kept_R = np.mean([c.kept_bytes_R for c in layer_calls], axis=0)
         transient_R = np.max([c.peak_R for c in layer_calls], axis=0) - slots_R
@@ -67,6 +72,7 @@ def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: in
     base = Placement.static(spec.num_experts, world)
     owned = max(len(base.owned(r)) for r in range(world))
     state = per_layer_state(spec, tokens, s, opt, True, owned)
+    bytes_ = ByteModel(spec.dim, spec.ffn_dim, s)
 
     def step(M: int) -> int | None:
         try:
@@ -74,7 +80,7 @@ def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: in
         except ValueError:
             return None
         copies = max(slots_R)
-        return (spec.moe_layers - 1) * slot_bytes(spec.dim, spec.ffn_dim, s, copies, owned) \
+        return (spec.moe_layers - 1) * bytes_.slots_held(copies, owned) \
             + spec.moe_layers * state + M
 
     lo, hi = 1, cap_bytes
@@ -91,7 +97,7 @@ def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: in
         else:
             hi = mid - 1
     if best is None:
-        least = 2 * owned * 3 * spec.dim * spec.ffn_dim * s
+        least = owned * bytes_.slot
         raise SimError(f"lrmoe: a {cap_bytes / GIB:.1f} GiB GPU cannot hold {spec.moe_layers} layers' owned experts "
                        f"and states ({(spec.moe_layers * (least + state)) / GIB:.1f} GiB needed)")
     return best

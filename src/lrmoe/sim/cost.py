@@ -5,10 +5,12 @@ the CPU calibration (where the rates are fitted by least squares):
 
 - grouped GEMMs: a roofline, ``max(FLOPs / (peak·gemm_eff), operand bytes / (bw·mem_eff))``;
   forward ``6·R·D·F`` FLOPs for R rows (gate, up, down), backward ``12·R·D·F`` (dh, dW_down,
-  dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (static-recompute, lrmoe);
+  dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (``spec.recomputes``:
+  static-recompute, lrmoe, masked);
   operand bytes are the weights (once per local copy and GEMM) plus the rows in and out;
-- elementwise and copy kernels: bytes / (bw·mem_eff) — SwiGLU and its backward, ‖h‖², the
-  home-side gather of rows into send order and the weighted combine / scatter-add;
+- elementwise and copy kernels: bytes / (bw·mem_eff) — SwiGLU and its backward, ‖h‖² (the
+  selective systems, ``spec.selective``), the home-side gather of rows into send order and the
+  weighted combine / scatter-add, the selection's sort passes (``spec.selects``);
 - kernel launches × ``launch_s`` (forward chunks multiply them; on CPU a grouped GEMM is a loop
   of one GEMM per local expert, so each expert costs a launch);
 - router and shared expert GEMMs (same for every system, kept so that reductions are relative
@@ -16,8 +18,9 @@ the CPU calibration (where the rates are fitted by least squares):
 - all-to-all (α–β): a rank's time is ``α_intra·(g−1) + α_inter·(W−g)`` for its messages plus
   the larger of its intra-node bytes / ``intra_bw`` and its inter-node bytes / ``inter_bw``
   (links in parallel), sent or received, whichever is more; the collective takes its slowest
-  rank. Exchanges: forward rows out and back (+ ‖h‖² for lrmoe), backward dy (+ x for lrmoe)
-  and dx, the selection's score all-gather (lrmoe in the backward, capacity in the forward),
+  rank. Exchanges: forward rows out and back (+ ‖h‖² for the selective systems), backward dy
+  (+ x where the backward compacts: lrmoe) and dx, the selection's score all-gather (selective
+  systems in the backward, capacity in the forward),
   replica refresh (owner → holder, every step) and replica-gradient reduction (holder → owner);
 - selection: scored pairs × ``select_pair_s`` (0 on GPU, where the sort passes above stand for
   it; fitted on CPU, where scoring and exact top-q run as many small ops);
@@ -32,9 +35,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from lrmoe.meter import H_SQ_BYTES, expert_param_bytes
 from lrmoe.sim.hardware import Hardware
 from lrmoe.sim.models import ModelSpec
 from lrmoe.sim.plan import LayerCall
+from lrmoe.systems import spec_of
 
 SCORE_BYTES = 8  # float64 LRM scores / routing probabilities exchanged for a global selection
 SORT_PASSES = 16  # selection sorts the pairs' 8-byte keys: counted as this many passes over them
@@ -79,18 +84,19 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
     Rb = call.bwd_SR.sum(0).astype(np.float64)
     L = call.copies_R.astype(np.float64)
     T = float(call.tokens_per_rank)
-    recompute = call.system in ("static-recompute", "lrmoe")
-    w_bytes = 3 * D * F * s * L  # one read of every local copy's weights
+    system = spec_of(call.system)
+    recompute = system.recomputes
+    w_bytes = expert_param_bytes(D, F, s) * L  # one read of every local copy's weights
     groups = L if per_expert_gemm else np.ones_like(L)
     fwd_flops = 6 * Rf * D * F
     bwd_flops = 12 * Rb * D * F + (4 * Rb * D * F if recompute else 0)
     fwd_gemm_bytes = w_bytes + Rf * (3 * D + 3 * F) * s
     bwd_gemm_bytes = 3 * w_bytes + Rb * (6 * D + 8 * F) * s + (w_bytes * 2 / 3 + Rb * (2 * D + 2 * F) * s
                                                                 if recompute else 0)
-    selective = call.system == "lrmoe"
-    fwd_elem = Rf * 4 * F * s + (Rf * F * s if selective else 0) + call.home_pairs_R * 3 * D * s
+    h_sq = system.selective  # the forward also reduces h to ‖h‖² per row
+    fwd_elem = Rf * 4 * F * s + (Rf * F * s if h_sq else 0) + call.home_pairs_R * 3 * D * s
     bwd_elem = Rb * 8 * F * s + (Rb * 4 * F * s if recompute else 0) + call.home_bwd_pairs_R * 3 * D * s
-    if call.system in ("lrmoe", "capacity"):
+    if system.selects:
         sort = SORT_PASSES * SCORE_BYTES * T * K
         if call.score_in_forward:
             fwd_elem = fwd_elem + sort
@@ -103,7 +109,7 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
         "bwd_gemm_bytes": bwd_gemm_bytes, "fwd_elem_bytes": fwd_elem, "bwd_elem_bytes": bwd_elem,
         "fwd_launches": fwd_launch, "bwd_launches": bwd_launch,
         "dense_flops": np.full_like(Rf, 3 * 2 * T * D * E + 3 * 6 * T * D * spec.shared_ffn_dim),
-        "select_pairs": np.full_like(Rf, T * K if call.system in ("lrmoe", "capacity") else 0.0),
+        "select_pairs": np.full_like(Rf, T * K if system.selects else 0.0),
     }
 
 
@@ -113,16 +119,17 @@ def exchanges(call: LayerCall, spec: ModelSpec, s: int) -> list[tuple[str, np.nd
     D, F = spec.dim, spec.ffn_dim
     W = call.fwd_SR.shape[0]
     row = D * s
-    lrmoe = call.system == "lrmoe"
+    system = spec_of(call.system)
     out = [("fwd_a2a", np.full((W, W), spec.num_experts * 8)),  # per-expert count all-gather
-           ("fwd_a2a", call.fwd_SR * row), ("fwd_a2a", call.fwd_SR.T * (row + (8 if lrmoe else 0))),
+           ("fwd_a2a", call.fwd_SR * row),
+           ("fwd_a2a", call.fwd_SR.T * (row + (H_SQ_BYTES if system.selective else 0))),  # y (+ ‖h‖²)
            ("bwd_a2a", call.bwd_SR * row), ("bwd_a2a", call.bwd_SR.T * row)]
-    if lrmoe:
+    if system.compacts:
         out.append(("bwd_a2a", call.bwd_SR * row))  # x of the kept pairs, re-sent
     if call.score_pairs_R.any():
         out.append(("select", np.repeat(call.score_pairs_R[:, None] * SCORE_BYTES, W, axis=1)))
     if call.refresh_SR.any():
-        params = 3 * D * F * s
+        params = expert_param_bytes(D, F, s)
         out += [("replicas", call.refresh_SR * params), ("replicas", call.refresh_SR.T * params)]
     return out
 

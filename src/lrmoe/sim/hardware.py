@@ -12,7 +12,6 @@ assumptions too; the CPU factors are *fitted* by benchmarks/calibrate_sim.py and
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -53,9 +52,3 @@ H200 = Hardware(
     alpha_intra=3e-6, alpha_inter=8e-6, devices_per_node=8,
     gemm_eff=0.6, mem_eff=0.7, launch_s=5e-6,
 )
-
-
-def cpu_hardware(path: Path = CPU_CALIBRATION) -> Hardware:
-    """The fitted CPU profile (one thread per rank, gloo on localhost) from the calibration file."""
-    doc = json.loads(Path(path).read_text())
-    return Hardware(**doc["hardware"])

@@ -14,19 +14,21 @@ The sequence, per rank (s = dtype size, R_f forward rows, R_b backward rows, L l
   rank has several slots and the world several ranks), then y (``R_f·D·s``) and either the four
   (R_f, F) activations (gate, up, silu, h) or, when the controller chunks the forward, one
   chunk's; ‖h‖² (8 bytes a row) for the selective systems;
-- kept to the backward: static, symi and capacity keep x and the activations; static-recompute
-  and masked keep x; lrmoe keeps nothing;
-- backward: dy rows (and, for lrmoe, the re-sent x rows of kept pairs), the four recomputed
-  activations unless saved, and the replica-gradient send buffer.
+- kept to the backward (read from the system's :class:`lrmoe.systems.SystemSpec`): systems that
+  save activations (static, symi, capacity) keep x and the activations; those that only save
+  rows (static-recompute, masked) keep x; the compacting backward (lrmoe) keeps nothing;
+- backward: dy rows (and, when the backward compacts, the re-sent x rows of kept pairs), the four
+  recomputed activations unless saved, and the replica-gradient send buffer.
+
+Byte figures come from :class:`lrmoe.meter.ByteModel`, the layer's own byte model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-H_SQ_BYTES = 8  # ‖h‖² per row, float64 (lrmoe.controller.H_SQ_BYTES)
-SELECTIVE = ("lrmoe", "masked")
-SAVES_ACTIVATIONS = ("static", "symi", "capacity")
+from lrmoe.meter import H_SQ_BYTES, ByteModel
+from lrmoe.systems import SystemSpec, spec_of
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,15 @@ class RankWork:
     replicas_anywhere: bool = False  # some rank holds a replica: gradients are reduced to owners
 
 
-def expert_side_peak(system: str, dim: int, ffn_dim: int, dtype_bytes: int, work: RankWork) -> int:
+def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, work: RankWork) -> int:
     """Peak expert-side bytes of one rank over a layer call's forward and backward."""
-    s, D, F = dtype_bytes, dim, ffn_dim
-    params = 3 * D * F * s
+    spec = spec_of(system)
+    bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
     replicas = work.copies - work.owned
     regroup = work.world > 1 and work.copies > 1
-    row = D * s
-    acts_row = 4 * F * s
+    row, acts_row = bm.row, bm.fwd_compute
 
-    now = 2 * work.copies * params + (work.owned * params if replicas else 0)
+    now = bm.slots_held(work.copies, work.owned)
     peak = now
 
     def receive(rows: int) -> None:
@@ -62,7 +63,7 @@ def expert_side_peak(system: str, dim: int, ffn_dim: int, dtype_bytes: int, work
     # forward
     Rf = work.fwd_rows
     receive(Rf)
-    h_sq = H_SQ_BYTES * Rf if system in SELECTIVE else 0
+    h_sq = H_SQ_BYTES * Rf if spec.selective else 0
     chunked = work.chunk_rows is not None and work.chunk_rows < Rf
     if chunked:
         now += Rf * row + h_sq
@@ -73,46 +74,41 @@ def expert_side_peak(system: str, dim: int, ffn_dim: int, dtype_bytes: int, work
         now += h_sq
         peak = max(peak, now)
     now -= h_sq + Rf * row  # ‖h‖² and y went home
-    saved_acts = system in SAVES_ACTIVATIONS and not chunked
-    if system not in SAVES_ACTIVATIONS and not chunked:
+    saved_acts = spec.saves_activations and not chunked
+    if not spec.saves_activations and not chunked:
         now -= Rf * acts_row
-    if system == "lrmoe":
+    if not spec.saves_rows:
         now -= Rf * row
 
     # backward
     Rb = work.bwd_rows
     receive(Rb)  # dy
-    if system == "lrmoe":
+    if spec.compacts:
         receive(Rb)  # x of the kept pairs, re-sent by their home ranks
     peak = max(peak, now + (0 if saved_acts else Rb * acts_row))
     if saved_acts:
         now -= Rf * acts_row
     if work.replicas_anywhere:
-        now += replicas * params  # replica gradients' send buffer
+        now += replicas * bm.slot_params  # replica gradients' send buffer
         peak = max(peak, now)
     return int(peak)
 
 
-def kept_between_passes(system: str, dim: int, ffn_dim: int, dtype_bytes: int, fwd_rows: int) -> int:
+def kept_between_passes(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, fwd_rows: int) -> int:
     """Bytes the expert side keeps from a layer's forward to its backward: held for every MoE
     layer at once when the backward starts (what makes ``static`` run out of memory)."""
-    row, acts = dim * dtype_bytes, 4 * ffn_dim * dtype_bytes
-    if system in SAVES_ACTIVATIONS:
-        return fwd_rows * (row + acts)
-    if system in ("static-recompute", "masked"):
-        return fwd_rows * row
+    spec = spec_of(system)
+    bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
+    if spec.saves_activations:
+        return fwd_rows * (bm.row + bm.fwd_compute)
+    if spec.saves_rows:
+        return fwd_rows * bm.row
     return 0
-
-
-def slot_bytes(dim: int, ffn_dim: int, dtype_bytes: int, copies: int, owned: int) -> int:
-    """Parameters + gradient buffers of a rank's copies (and the concatenated owned weights when
-    it holds replicas): the layer's persistent expert memory."""
-    params = 3 * dim * ffn_dim * dtype_bytes
-    return 2 * copies * params + (owned * params if copies > owned else 0)
 
 
 def home_bytes(tokens: int, dim: int, top_k: int, dtype_bytes: int, selective: bool) -> int:
     """Home-side bytes one layer keeps to its backward (the layer's ``home_bytes``: expert
-    outputs y per pair, routing weights, ids, pair order, ‖h‖² for lrmoe) plus its input x."""
+    outputs y per pair, routing weights, ids, pair order, ‖h‖² when ``selective``) plus its input x."""
     P = tokens * top_k
-    return P * dim * dtype_bytes + P * (dtype_bytes + 8 + 8) + (8 * P if selective else 0) + tokens * dim * dtype_bytes
+    return P * dim * dtype_bytes + P * (dtype_bytes + 8 + 8) + (H_SQ_BYTES * P if selective else 0) \
+        + tokens * dim * dtype_bytes

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GIB = 1 << 30
+from lrmoe.meter import GIB
+from lrmoe.systems import REFERENCE_SYSTEM
+
+SYMI = "symi"  # the reference of the time columns (the memory columns': REFERENCE_SYSTEM)
 
 
 def _pct(new: float | None, ref: float | None) -> str:
@@ -41,8 +44,8 @@ def table_md(results: dict[str, dict]) -> str:
                 f"Routing: {meta['routing']}. Steps to target: {meta['compare']} "
                 f"(lrmoe variant: {meta['selection']}; static = {meta['target_steps_static']} steps).", ""]
         for cap, rows in doc["caps"].items():
-            symi = rows.get("symi", {})
-            static = rows.get("static", {})
+            symi = rows.get(SYMI, {})
+            static = rows.get(REFERENCE_SYSTEM, {})
             ref_t = symi.get("moe_time_to_target_s")
             ref_m = static.get("peak_expert_side_bytes")
             ref_d = symi.get("device_time_to_target_s")

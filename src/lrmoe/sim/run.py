@@ -24,6 +24,7 @@ from lrmoe.sim.plan import LayerCall, SystemPlanner
 from lrmoe.sim.report import plot_sensitivity, write_results
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import load_trace, pick_layers, rescale_counts, zipf_counts
+from lrmoe.systems import PlacementKind, parse_system_name
 
 DTYPE_BYTES = 2  # bf16
 SELECTIONS = ("lrm", "sampled", "random")
@@ -157,8 +158,8 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
         return _simulate_system(planners, counts, bar)
 
     fixed = {name: run(name) for name in ("static", "static-recompute", "capacity")}
-    owned = len(SystemPlanner("static", config, W).base.owned(0))
-    default_slots = owned + max(1, -(-owned // 2))  # MoELayer's SYMI default
+    symi = SystemPlanner("symi", config, W).planner
+    owned, default_slots = len(symi.base.owned(0)), symi.slots_R[0]  # MoELayer's SYMI default
     lrmoe_slots = default_slots if cfg.lrmoe_slots == "symi" else None
     caps: dict[str, dict] = {}
     kept_calls: dict[str, dict] = {}
@@ -206,9 +207,10 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
 
 
 def _steps_ratio(name: str, row: dict, target: StepsToTarget, cfg: SimConfig) -> tuple[float | None, str]:
-    if name in ("static", "static-recompute"):
+    spec = parse_system_name(name).spec
+    if spec.placement is PlacementKind.STATIC and not (spec.selective or spec.forward_drop):
         return 1.0, "exact backward (= static)"
-    if name in ("symi", "capacity"):
+    if not spec.selective:
         r = target.ratio(name)
         return r, "measured" if r is not None else "never reached the target in the compare run"
     r = target.lrmoe_ratio(cfg.selection, row["kept_ratio"])

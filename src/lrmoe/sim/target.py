@@ -16,20 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lrmoe.sim.errors import SimError
+from lrmoe.systems import REFERENCE_SYSTEM, parse_system_name
 
 DEFAULT_COMPARE = Path(__file__).with_name("compare_default.json")
+DEFAULT_SELECTION = "lrm"  # the selection of a compacting system's name without one
 
 
 def _parse(name: str) -> tuple[str, float] | None:
-    """``lrmoe@0.5`` → ("lrm", 0.5); ``lrmoe-sampled@0.25`` → ("sampled", 0.25); else None."""
-    if not name.startswith("lrmoe") or "@" not in name:
-        return None
-    head, ratio = name.split("@", 1)
-    selection = head[len("lrmoe-"):] if head.startswith("lrmoe-") else "lrm"
+    """``lrmoe@0.5`` → ("lrm", 0.5); ``lrmoe-sampled@0.25`` → ("sampled", 0.25); else None
+    (names of systems whose backward does not compact, names without a ratio, bad names)."""
     try:
-        return selection, float(ratio)
+        parsed = parse_system_name(name)
     except ValueError:
         return None
+    if not parsed.spec.compacts or parsed.ratio is None:
+        return None
+    return parsed.selection or DEFAULT_SELECTION, parsed.ratio
 
 
 @dataclass(frozen=True)
@@ -50,18 +52,19 @@ class StepsToTarget:
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise SimError(f"compare results {str(p)!r}: expected {{'systems': {{name: "
                            f"{{'steps_to_target': ...}}}}}} ({type(e).__name__}: {e})") from None
-        if not systems.get("static"):
-            raise SimError(f"compare results {str(p)!r} need a 'static' system that reached the target")
+        if not systems.get(REFERENCE_SYSTEM):
+            raise SimError(f"compare results {str(p)!r} need a {REFERENCE_SYSTEM!r} system that reached "
+                           f"the target")
         return StepsToTarget(systems, str(p))
 
     def ratio(self, name: str) -> float | None:
         """Steps to target of a measured system relative to static."""
         steps = self.systems.get(name)
-        return None if steps is None else steps / self.systems["static"]
+        return None if steps is None else steps / self.systems[REFERENCE_SYSTEM]
 
     def points(self, selection: str) -> list[tuple[float, int | None]]:
         """Measured (kept ratio, steps or None) of one lrmoe selection, plus static at ρ = 1."""
-        pts = {1.0: self.systems["static"]}
+        pts = {1.0: self.systems[REFERENCE_SYSTEM]}
         for name, steps in self.systems.items():
             parsed = _parse(name)
             if parsed is not None and parsed[0] == selection:
@@ -76,10 +79,10 @@ class StepsToTarget:
             if lo - 1e-9 <= kept <= hi + 1e-9:
                 if s_lo is None or s_hi is None:
                     if abs(kept - hi) < 1e-9 and s_hi is not None:
-                        return s_hi / self.systems["static"]
+                        return s_hi / self.systems[REFERENCE_SYSTEM]
                     return None
                 w = 0.0 if hi == lo else (kept - lo) / (hi - lo)
-                return ((1 - w) * s_lo + w * s_hi) / self.systems["static"]
+                return ((1 - w) * s_lo + w * s_hi) / self.systems[REFERENCE_SYSTEM]
         if pts and abs(kept - pts[-1][0]) < 1e-9:
             return 1.0
         return None
