@@ -42,6 +42,15 @@ def _level_for(need: int, base: np.ndarray, cap: np.ndarray) -> int | None:
     return lo
 
 
+def experts_of_ranks(holders: list[list[int]], ranks: int) -> list[list[int]]:
+    """The inverse of ``holders`` (expert → ranks holding it): rank → experts it holds, ascending."""
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for e, hs in enumerate(holders):
+        for r in hs:
+            out[r].append(e)
+    return out
+
+
 def max_flow(flow, supply, slack, holders, holders_of_rank):
     """Place ``supply[e]`` more rows of each expert on its holders within ``slack``: Dinic's
     algorithm on the residual graph, in place on plain lists. Returns None when every unit is
@@ -197,10 +206,7 @@ def assign_min_peak(
         P = max(P, int((base + only).max()))
 
     holder_lists = [sorted(int(r) for r in hs) for hs in holders]
-    holders_of_rank = [[] for _ in range(R)]
-    for e, hs in enumerate(holder_lists):
-        for r in hs:
-            holders_of_rank[r].append(e)
+    holders_of_rank = experts_of_ranks(holder_lists, R)
     local_D = np.where(hold, counts, 0) if S == R else np.zeros((E, R), np.int64)
     cap_l = cap.tolist()
 

@@ -20,9 +20,14 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{field}={value!r} is invalid: {allowed}")
 
 
+def is_int_at_least(value: object, minimum: int) -> bool:
+    """``value`` is an int (not a bool) >= ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def positive_int(field: str, value: object) -> None:
     """Raise a ValueError naming ``field`` unless ``value`` is an int >= 1 (bools are not)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int_at_least(value, 1):
         raise _bad(field, value, "expected an integer >= 1")
 
 
@@ -94,8 +99,7 @@ class MoEConfig:
                     "top_k", self.top_k, f"expected <= topk_group * experts per group = "
                     f"{self.topk_group * per_group}"
                 )
-        if isinstance(self.num_shared_experts, bool) or not isinstance(self.num_shared_experts, int) \
-                or self.num_shared_experts < 0:
+        if not is_int_at_least(self.num_shared_experts, 0):
             raise _bad("num_shared_experts", self.num_shared_experts, "expected an integer >= 0")
         if self.shared_ffn_dim is not None:
             positive_int("shared_ffn_dim", self.shared_ffn_dim)
@@ -149,14 +153,14 @@ def _per_rank(field: str, value: object, world: int, minimum: int) -> list[int] 
     if not isinstance(values, (list, tuple)) or len(values) != world:
         raise _bad(field, value, f"expected one int for all ranks or a list of {world} (one per rank)")
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        if not is_int_at_least(v, minimum):
             raise _bad(field, value, f"expected integers >= {minimum}")
     return list(values)
 
 
 @dataclass(frozen=True)
 class ClusterBudget:
-    """Per-rank budgets of an MoE layer's expert side (DESIGN.md "Controller"), and the cluster's
+    """Per-rank budgets of an MoE layer's expert side (docs/design.md "Controller"), and the cluster's
     topology.
 
     ``memory_bytes``: expert slots (parameters + gradient buffers of owned experts and

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lrmoe.balance import max_flow
+from lrmoe.balance import experts_of_ranks, max_flow
 from lrmoe.config import ClusterBudget, MoEConfig
 from lrmoe.meter import ByteModel
 from lrmoe.placement import Placement
@@ -124,10 +124,7 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
     counts = counts_E.to(torch.long)
     c = counts.numpy()
     E, R = counts.numel(), len(cap_R)
-    holders_of_rank: list[list[int]] = [[] for _ in range(R)]
-    for e, hs in enumerate(holders):
-        for r in hs:
-            holders_of_rank[r].append(e)
+    holders_of_rank = experts_of_ranks(holders, R)
 
     # One flow, carried across every trial: lowering a target hands rows back (highest rank
     # first), raising it adds supply; the max-flow resumes from there.
@@ -180,7 +177,7 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
 
 
 def _quota(c: np.ndarray, rho: float) -> np.ndarray:
-    """The fixed-ratio quota of DESIGN.md, vectorised in numpy (see selection.fixed_ratio_quota)."""
+    """The fixed-ratio quota of docs/design.md, vectorised in numpy (see selection.fixed_ratio_quota)."""
     q = np.minimum(np.maximum(np.ceil(rho * c.astype(np.float64) - 1e-6), 1.0), c)
     return np.where(c > 0, q, 0).astype(np.int64)
 

@@ -73,10 +73,7 @@ class LayerPlanner:
         self.steps = 0
         self.bound_optimizer_bytes = 0  # flexmoe: modelled, not moved (docs/systems.md)
         self._trace: list[torch.Tensor] = []  # smartmoe without a given trace: its own first loads
-        self._pool = None
-        if routing_trace is not None:
-            self._pool = planners.placement_pool(torch.as_tensor(routing_trace), self.base, self.slots_R,
-                                                 SMARTMOE_POOL)
+        self._pool = None if routing_trace is None else self._build_pool(torch.as_tensor(routing_trace))
         if self.keeps_replicas:
             self._replan()
 
@@ -115,8 +112,7 @@ class LayerPlanner:
                 self.config.dim, self.config.ffn_dim, self.config.torch_dtype.itemsize)
         elif planner is Planner.SMARTMOE:
             if self._pool is None and len(self._trace) >= SMARTMOE_WARMUP:
-                self._pool = planners.placement_pool(torch.stack(self._trace), self.base, self.slots_R,
-                                                     SMARTMOE_POOL)
+                self._pool = self._build_pool(torch.stack(self._trace))
             if self._pool is not None:
                 self.placement = self._pool[planners.pick_from_pool(self._pool, self.load_E)]
         else:
@@ -124,6 +120,10 @@ class LayerPlanner:
             self.placement = plan_replicas(self.base, self.load_E, self.slots_R, node_of)
         if self.controller is not None:
             self.controller.check_slots(self.placement)
+
+    def _build_pool(self, trace_NE: torch.Tensor) -> list[Placement]:
+        """SmartMoE's offline pool of placements from a (calls, E) load trace."""
+        return planners.placement_pool(trace_NE, self.base, self.slots_R, SMARTMOE_POOL)
 
     def _place_call(self, counts_SE: torch.Tensor) -> dict:
         """Per-call planners: this call's placement from its own counts. Returns its stats."""
@@ -227,7 +227,7 @@ class LayerPlanner:
         self.steps = int(state["steps"])
         self._trace = [t.clone() for t in state.get("trace", [])]
         if self.spec.planner is Planner.SMARTMOE and len(self._trace) >= SMARTMOE_WARMUP:
-            self._pool = planners.placement_pool(torch.stack(self._trace), self.base, self.slots_R, SMARTMOE_POOL)
+            self._pool = self._build_pool(torch.stack(self._trace))
         if self.keeps_replicas:
             owner_E = self.base.owner_E
             replicas = [[e for e in s if int(owner_E[e]) != r] for r, s in enumerate(state["slots"])]

@@ -1,4 +1,4 @@
-"""Expert-side memory of one rank in one layer call, analytically (DESIGN.md "Expert-side memory").
+"""Expert-side memory of one rank in one layer call, analytically (docs/design.md "Expert-side memory").
 
 This is the layer's :class:`lrmoe.layer.MemoryMeter` replayed on numbers instead of tensors:
 the same holds and drops in the same order, so for the rows a rank receives it gives exactly

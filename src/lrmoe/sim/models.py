@@ -1,4 +1,4 @@
-"""Real MoE layer shapes the simulator projects to (DESIGN.md, "Real model shapes").
+"""Real MoE layer shapes the simulator projects to (docs/design.md, "Real model shapes").
 
 Only what the routed-expert side and its router need: hidden size D, expert hidden size F,
 routed experts E and top-k K, the shared expert's hidden size, the number of MoE layers. The

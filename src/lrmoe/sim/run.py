@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lrmoe.config import is_int_at_least
+from lrmoe.meter import expert_param_bytes
 from lrmoe.sim.budget import GIB, lrmoe_budget, step_peak_bytes
 from lrmoe.sim.cost import PHASES, layer_seconds
 from lrmoe.sim.errors import SimError
@@ -64,7 +66,7 @@ class SimConfig:
             raise SimError(f"--link-gbps={self.link_gbps!r} is invalid: expected a number > 0")
         for name in ("steps", "layers", "tokens_per_gpu", "target_steps"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int_at_least(v, 1):
                 raise SimError(f"{name}={v!r} is invalid: expected an integer >= 1")
         if not self.ratios or any(not (0 < r <= 1) for r in self.ratios):
             raise SimError(f"--ratios={self.ratios!r} is invalid: expected values in (0, 1]")
@@ -86,7 +88,7 @@ def _check_caps(cfg: SimConfig) -> None:
     """Every cap must at least hold static's expert parameters, gradients and optimizer state."""
     spec = cfg.spec
     owned = -(-spec.num_experts // cfg.gpus)
-    params = 3 * spec.dim * spec.ffn_dim * owned
+    params = expert_param_bytes(spec.dim, spec.ffn_dim, 1) * owned
     need = spec.moe_layers * params * (2 * DTYPE_BYTES + cfg.optimizer_bytes_per_param)
     for cap in cfg.memory_caps_gib:
         if cap * GIB < need:
