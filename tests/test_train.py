@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lrmoe.layer import SYSTEMS
+from lrmoe.systems import SYSTEMS
 from lrmoe.train.config import from_dict
 from lrmoe.train.loop import train
 

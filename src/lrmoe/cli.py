@@ -11,14 +11,12 @@ missing data) exits with status 2 and one line on stderr, without a traceback.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from lrmoe.train.config import ConfigError, RunConfig, dump_toml, load
+from lrmoe.train.config import ConfigError, RunConfig, load, require_int
 from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
+from lrmoe.train.launch import launch
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
@@ -30,7 +28,8 @@ def _common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", help="output folder")
 
 
-def _resolve(args) -> RunConfig:
+def _resolve(args: argparse.Namespace) -> RunConfig:
+    """The config file with the flags applied, checked before any rank starts."""
     cfg = load(args.config)
     overrides = {k: v for k, v in (("nproc", args.nproc), ("ep_size", args.ep_size), ("steps", args.steps),
                                    ("data", args.data), ("system", getattr(args, "system", None)))
@@ -42,37 +41,14 @@ def _resolve(args) -> RunConfig:
     if cfg.train.data != DEFAULT_CORPUS:
         read_corpus(cfg.train.data)  # a missing path or empty text fails here, before any rank starts
     if cfg.train.routing_trace:
-        from lrmoe.train.loop import read_routing_trace
+        from lrmoe.train.build import read_routing_trace
 
         read_routing_trace(cfg.train.routing_trace, cfg.model)  # likewise an unreadable or mismatched trace
     return cfg
 
 
-def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | None = None,
-           stop_at: float | None = None, eval_at: tuple[int, ...] = (), max_restarts: int = 0) -> dict:
-    """Write the resolved config to ``out/config.toml`` and run its ranks; returns the summary."""
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.toml"
-    config_path.write_text(dump_toml(cfg.to_dict()))
-    worker = ["--config", str(config_path), "--out", str(out)]
-    if resume:
-        worker.append("--resume")
-    if max_steps:
-        worker += ["--max-steps", str(max_steps)]
-    if stop_at is not None:
-        worker += ["--stop-at", repr(stop_at)]
-    if eval_at:
-        worker += ["--eval-at", *map(str, eval_at)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.train.nproc}",
-           f"--max-restarts={max_restarts}", "-m", "lrmoe.train.worker", *worker]
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode:
-        raise SystemExit(f"lrmoe: training ranks failed (exit {proc.returncode}); see the log above")
-    return json.loads((out / "summary.json").read_text())
-
-
-def cmd_train(args) -> None:
+def cmd_train(args: argparse.Namespace) -> None:
+    """``lrmoe train``: one system's run, summarised in one line."""
     cfg = _resolve(args)
     out = Path(args.out or f"runs/{cfg.train.system}")
     summary = launch(cfg, out, resume=args.resume, max_restarts=args.max_restarts)
@@ -81,41 +57,13 @@ def cmd_train(args) -> None:
           f"(unigram {summary['unigram_loss']:.4f}), MoE time {summary['moe_time_s']:.2f} s; results in {out}/")
 
 
-def cmd_compare(args) -> None:
-    from lrmoe.train import compare
+def cmd_compare(args: argparse.Namespace) -> None:
+    """``lrmoe compare``: the systems of the flag or the config, run by :func:`run_compare`."""
+    from lrmoe.train.compare import run_compare
 
     cfg = _resolve(args)
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
-    for name in systems:
-        compare.system_config(cfg, name)  # validate every name before running anything
-    out = Path(args.out or "runs/compare")
-    steps, target_step, max_steps = compare.budget_steps(cfg)
-    static_name = "static"
-    print(f"lrmoe compare: {', '.join(systems)}; static runs {steps} steps, target at step {target_step}, "
-          f"the others up to {max_steps}", flush=True)
-    def run(name: str, **kw) -> dict:
-        run_cfg = compare.system_config(cfg, name, trace=out / static_name / "routing.npz")
-        if args.resume and compare.finished(run_cfg, out / name):
-            print(f"-- {name}: finished earlier, kept (--resume)", flush=True)
-            return json.loads((out / name / "summary.json").read_text())
-        print(f"-- {name}", flush=True)
-        return launch(run_cfg, out / name, **kw)
-
-    summary = run(static_name, eval_at=(target_step,))
-    target = cfg.compare.target_loss or compare.target_from_static(out / static_name, target_step)
-    for name in systems:
-        if name != static_name:
-            run(name, max_steps=max_steps, stop_at=target)
-    names = [static_name] + [n for n in systems if n != static_name]
-    results = {name: compare.summarise(name, out / name, target) for name in names}
-    doc = {"target_loss": target, "unigram_loss": summary["unigram_loss"],
-           "systems": {n: {k: r[k] for k in compare.RESULT_KEYS} for n, r in results.items()},
-           "details": results}
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
-    (out / "config.toml").write_text(dump_toml(cfg.to_dict()))
-    print(compare.report(out, target, summary["unigram_loss"], results))
-    compare.plots(out, names, target)
-    print(f"report: {out}/report.md  plots: {out}/val_loss_vs_moe_time.png, kept_ratio.png, expert_load.png")
+    run_compare(cfg, systems, Path(args.out or "runs/compare"), resume=args.resume)
 
 
 def _floats(flag: str, text: str) -> tuple[float, ...]:
@@ -127,7 +75,7 @@ def _floats(flag: str, text: str) -> tuple[float, ...]:
         raise SimError(f"--{flag}={text!r} is invalid: expected comma-separated numbers") from None
 
 
-def cmd_simulate(args) -> None:
+def cmd_simulate(args: argparse.Namespace) -> None:
     """Paper-scale projection (docs/simulation.md); bad input exits 2 with one line."""
     from lrmoe.sim.errors import SimError
     from lrmoe.sim.models import MODELS
@@ -150,6 +98,7 @@ def cmd_simulate(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse, dispatch; a user error exits 2 with one line on stderr."""
     ap = argparse.ArgumentParser(prog="lrmoe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -187,13 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--out", required=True, help="output folder")
     sm.set_defaults(fn=cmd_simulate)
     args = ap.parse_args(argv)
-    for name in ("nproc", "ep_size", "steps", "max_restarts"):
-        v = getattr(args, name, None)
-        if v is not None and v < (0 if name in ("ep_size", "max_restarts") else 1):
-            least = 0 if name in ("ep_size", "max_restarts") else 1
-            print(f"lrmoe: --{name.replace('_', '-')}={v} is invalid: expected an integer >= {least}", file=sys.stderr)
-            raise SystemExit(2)
     try:
+        for name, least in (("nproc", 1), ("ep_size", 0), ("steps", 1), ("max_restarts", 0)):
+            if getattr(args, name, None) is not None:
+                require_int(f"--{name.replace('_', '-')}", getattr(args, name), least)
         args.fn(args)
     except (ConfigError, DataError) as e:
         print(f"lrmoe: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lrmoe.config import MoEConfig
-from lrmoe.layer import MoELayer
+from lrmoe.layer import MoELayer, moe_layers
 
 
 def config_from_hf_block(block: nn.Module) -> MoEConfig:
@@ -96,8 +96,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     """Inverse of :func:`patch_model` (collective when the layers are expert parallel): every
     patched layer becomes a transformers block again, with the layer's current (trained)
     weights, so the model saves with ``save_pretrained`` and reloads as usual."""
-    patched = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)
-               and hasattr(m, "_hf_block_class")]
+    patched = [(name, m) for name, m in moe_layers(model) if hasattr(m, "_hf_block_class")]
     for name, layer in patched:
         sd = layer.full_state_dict()
         block = layer._hf_block_class(layer._hf_config)

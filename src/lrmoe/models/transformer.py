@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lrmoe.config import MoEConfig
+from lrmoe.config import MoEConfig, positive_int
 from lrmoe.experts import SwiGLU
-from lrmoe.layer import MoELayer
+from lrmoe.layer import MoELayer, moe_layers
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len", "dense_ffn_dim"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"model.{f}={v!r} is invalid: expected an integer >= 1")
+            positive_int(f"model.{f}", v)
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"model.n_heads={self.n_heads} is invalid: dim={self.dim} must split into "
                              "heads of an even size")
@@ -150,7 +149,7 @@ class MoETransformer(nn.Module):
 
     @property
     def moe_layers(self) -> list[MoELayer]:
-        return [b.mlp for b in self.blocks if isinstance(b.mlp, MoELayer)]
+        return [m for _, m in moe_layers(self)]
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids_BS)

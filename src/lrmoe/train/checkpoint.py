@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lrmoe.layer import MoELayer
+from lrmoe.comm import Group
+from lrmoe.layer import MoELayer, moe_layers
 from lrmoe.train.files import atomic_write
 
 
@@ -25,11 +26,13 @@ class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be read."""
 
 
-def _layers(model) -> list[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+def _layers(model: torch.nn.Module) -> list[MoELayer]:
+    return [m for _, m in moe_layers(model)]
 
 
-def save(out: Path, rank: int, step: int, model, opt, history: dict, group) -> None:
+def save(out: Path, rank: int, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, history: dict,
+         group: Group) -> None:
+    """This rank's checkpoint of step ``step``; ``latest`` moves only after every rank saved."""
     folder = out / "ckpt" / f"step_{step:07d}"
     folder.mkdir(parents=True, exist_ok=True)
     state = {
@@ -71,7 +74,8 @@ def load_latest(out: Path, rank: int) -> dict | None:
     return None
 
 
-def restore(state: dict, model, opt) -> int:
+def restore(state: dict, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Put a loaded checkpoint back (model, optimizer, layer train state, RNG); returns its step."""
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     for layer, s in zip(_layers(model), state["layers"], strict=True):

@@ -13,14 +13,29 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from lrmoe.config import BackwardConfig, ClusterBudget
-from lrmoe.layer import SYSTEMS
+from lrmoe.config import BackwardConfig, ClusterBudget, is_int_at_least
 from lrmoe.models import ModelConfig
+from lrmoe.systems import SYSTEMS, SystemName, names_where, spec_of
+from lrmoe.systems import parse_system_name as _parse_system_name
 from lrmoe.train.data import DEFAULT_CORPUS
 
 
 class ConfigError(ValueError):
     """A user-facing configuration problem: field, value, what is allowed."""
+
+
+def require_int(where: str, v: object, least: int) -> int:
+    """``v`` itself when it is an integer >= ``least`` (a bool is not); else a ConfigError that
+    names ``where`` (a field or a flag), the value and the bound."""
+    if not is_int_at_least(v, least):
+        raise ConfigError(f"{where}={v!r} is invalid: expected an integer >= {least}")
+    return v
+
+
+def _require_number(where: str, v: object, least: float, strict: bool) -> None:
+    """A ConfigError unless ``v`` is a number (not a bool) > ``least`` (``strict``) or >= it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > least if strict else v >= least):
+        raise ConfigError(f"{where}={v!r} is invalid: expected a number {'>' if strict else '>='} {least}")
 
 
 @dataclass(frozen=True)
@@ -51,29 +66,22 @@ class TrainConfig:
         if self.system not in SYSTEMS:
             raise ConfigError(f"train.system={self.system!r} is invalid: expected one of {SYSTEMS}")
         for name in ("steps", "batch", "eval_every", "eval_batches", "nproc", "vocab_size", "replan_interval"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"train.{name}={v!r} is invalid: expected an integer >= 1")
+            require_int(f"train.{name}", getattr(self, name), 1)
         for name in ("warmup", "checkpoint_every", "ep_size", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"train.{name}={v!r} is invalid: expected an integer >= 0")
+            require_int(f"train.{name}", getattr(self, name), 0)
         for name in ("lr", "capacity_factor"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"train.{name}={v!r} is invalid: expected a number > 0")
+            _require_number(f"train.{name}", getattr(self, name), 0, strict=True)
         for name in ("weight_decay", "bias_update_rate"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"train.{name}={v!r} is invalid: expected a number >= 0")
+            _require_number(f"train.{name}", getattr(self, name), 0, strict=False)
         if not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"train.val_fraction={self.val_fraction!r} is invalid: expected 0 < x < 0.5")
         if self.vocab_size < 260:
             raise ConfigError(f"train.vocab_size={self.vocab_size} is invalid: a byte-level BPE needs >= 260")
         if self.ep_size and self.nproc % self.ep_size:
             raise ConfigError(f"train.ep_size={self.ep_size} is invalid: it must divide nproc={self.nproc}")
-        if self.routing_trace and self.system != "smartmoe":
-            raise ConfigError(f"train.routing_trace={self.routing_trace!r} is used by system 'smartmoe', "
+        if self.routing_trace and not spec_of(self.system).takes_trace:
+            users = " or ".join(map(repr, names_where(takes_trace=True)))
+            raise ConfigError(f"train.routing_trace={self.routing_trace!r} is used by system {users}, "
                               f"not {self.system!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device={self.device!r} is invalid: expected 'auto', 'cpu' or 'cuda'")
@@ -81,20 +89,13 @@ class TrainConfig:
             raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
 
 
-def parse_system_name(name: str) -> tuple[str, str | None, float | None]:
-    """``system[-selection][@ratio]`` → (system, selection or None, ratio or None), e.g.
-    ``lrmoe@0.5``, ``lrmoe-random@0.25``, ``masked@0.25``, ``static-recompute``."""
-    base, _, ratio = name.partition("@")
-    system, selection = (base, "") if base in SYSTEMS else base.split("-", 1) if "-" in base else (base, "")
-    bad = ConfigError(f"compare system {name!r} is invalid: expected one of {SYSTEMS}, optionally "
-                      f"lrmoe-<selection> and @<ratio> for lrmoe and masked (e.g. lrmoe-random@0.5)")
-    if system not in SYSTEMS or ((selection or ratio) and system not in ("lrmoe", "masked")):
-        raise bad
+def parse_system_name(name: str) -> SystemName:
+    """:func:`lrmoe.systems.parse_system_name` (``system[-selection][@ratio]``, iterable as
+    (system, selection or None, ratio or None)) with a bad name as a user-facing ConfigError."""
     try:
-        value = float(ratio) if ratio else None
-    except ValueError:
-        raise bad from None
-    return system, selection or None, value
+        return _parse_system_name(name)
+    except ValueError as e:
+        raise ConfigError(f"compare {e}") from None
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,15 @@ class RunConfig:
     compare: CompareConfig = field(default_factory=CompareConfig)
 
     def __post_init__(self) -> None:
-        if self.train.system == "topoep" and (self.budget is None or self.budget.ranks_per_node is None):
-            raise ConfigError("train.system='topoep' needs the topology: [budget] ranks_per_node = ...")
+        if spec_of(self.train.system).needs_topology and (self.budget is None or self.budget.ranks_per_node is None):
+            raise ConfigError(f"train.system={self.train.system!r} needs the topology: [budget] ranks_per_node = ...")
 
     def with_train(self, **overrides) -> RunConfig:
+        """A copy with ``[train]`` fields replaced (CLI flags, compare's per-system runs), validated again."""
         return replace(self, train=replace(self.train, **overrides))
 
     def to_dict(self) -> dict:
+        """The resolved config as TOML-ready tables, written next to the results to repeat a run."""
         moe = asdict(self.model.moe)
         moe["dtype"] = str(moe["dtype"]).replace("torch.", "")
         model = {f.name: getattr(self.model, f.name) for f in fields(ModelConfig) if f.name != "moe"}
@@ -159,6 +162,7 @@ def _table(raw: dict, name: str, cls, **extra):
 
 
 def from_dict(raw: dict) -> RunConfig:
+    """A validated config from parsed TOML tables; every problem is a ConfigError naming its table."""
     unknown = set(raw) - {"model", "train", "backward", "budget", "compare"}
     if unknown:
         raise ConfigError(f"unknown tables {sorted(unknown)}: expected model, train, backward, budget, compare")
@@ -172,6 +176,7 @@ def from_dict(raw: dict) -> RunConfig:
 
 
 def load(path: str | Path) -> RunConfig:
+    """A validated config from a TOML file; a missing or malformed file is a ConfigError too."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")

@@ -1,13 +1,64 @@
-"""One rank of ``lrmoe train``, started by torch.distributed.run (see lrmoe.cli)."""
+"""One rank of ``lrmoe train``, started by torch.distributed.run (see :mod:`lrmoe.train.launch`):
+process-group setup, resume after a restart, and the fault-injection testing hook."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+from pathlib import Path
 
-from lrmoe.train.loop import main_worker
+import torch
+import torch.distributed as dist
+
+from lrmoe.train.config import load
+from lrmoe.train.groups import train_device
+from lrmoe.train.loop import train
+
+
+def maybe_inject_fault(step: int, rank: int) -> None:
+    """Testing hook for rank-failure recovery: ``LRMOE_FAULT_AT=STEP:RANK`` kills that rank with
+    SIGKILL after that step, on the first attempt only (torchrun's restart count is 0)."""
+    spec = os.environ.get("LRMOE_FAULT_AT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    fault_step, fault_rank = (int(v) for v in spec.split(":"))
+    if (step, rank) == (fault_step, fault_rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main_worker(config_path: str, out: str, resume: bool, max_steps: int | None, stop_at: float | None,
+                eval_at: tuple[int, ...]) -> None:
+    """Entry of a rank launched by torch.distributed.run: joins the world, trains, leaves."""
+    cfg = load(config_path)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    group = None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if world > 1:
+        # A fresh key prefix per restart attempt: otherwise gloo may read the addresses of the
+        # previous attempt's (dead) ranks from the shared store and fail to connect.
+        rank = int(os.environ["RANK"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=not agent_store and rank == 0)
+        cuda = train_device(cfg).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                store=dist.PrefixStore(f"lrmoe/attempt_{restart}", store), rank=rank, world_size=world)
+        group = dist.group.WORLD
+    # a rank restarted by torchrun (--max-restarts) resumes from the last good checkpoint
+    resume = resume or restart > 0
+    try:
+        train(cfg, Path(out), group, resume=resume, max_steps=max_steps, stop_at=stop_at, eval_at=eval_at,
+              after_step=maybe_inject_fault)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
 
 
 def main() -> None:
+    """The worker's command line, as :func:`lrmoe.train.launch.launch` passes it."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)

@@ -1,0 +1,55 @@
+"""The model of one rank: expert-parallel MoE layers with the same initial weights everywhere,
+and the routing trace (an earlier run's ``routing.npz``) a trace-taking system plans from."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from lrmoe.layer import MoELayer, moe_layers
+from lrmoe.models import ModelConfig, MoETransformer
+from lrmoe.systems import spec_of
+from lrmoe.train.config import ConfigError, RunConfig
+from lrmoe.train.groups import Groups
+
+
+def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransformer:
+    """The model with EP layers, initialised from the world-size-1 model of the same seed, so
+    every system, world size and EP layout starts from identical weights."""
+    model_cfg = replace(cfg.model, vocab_size=vocab_size)
+    torch.manual_seed(cfg.train.seed)
+    full = MoETransformer(model_cfg).state_dict()
+    t = cfg.train
+    budget = cfg.budget if spec_of(t.system).takes_budget else None
+    trace_SLE = read_routing_trace(t.routing_trace, model_cfg) if t.routing_trace else None
+
+    def make_moe(i: int) -> MoELayer:
+        return MoELayer(model_cfg.moe, system=t.system, group=groups.ep_group, backward=cfg.backward,
+                        budget=budget, capacity_factor=t.capacity_factor, replan_interval=t.replan_interval,
+                        routing_trace=None if trace_SLE is None else trace_SLE[:, i - model_cfg.first_dense_layers])
+
+    model = MoETransformer(model_cfg, make_moe)
+    moe_prefixes = {name for name, _ in moe_layers(model)}
+    plain = {k: v for k, v in full.items() if not any(k.startswith(p + ".") for p in moe_prefixes)}
+    missing = model.load_state_dict(plain, strict=False).missing_keys
+    for prefix in moe_prefixes:
+        layer = model.get_submodule(prefix)
+        layer.load_full_state_dict({k[len(prefix) + 1 :]: v for k, v in full.items() if k.startswith(prefix + ".")})
+    assert all(any(k.startswith(p + ".") for p in moe_prefixes) for k in missing), missing
+    return model
+
+
+def read_routing_trace(path: str, model_cfg: ModelConfig) -> torch.Tensor:
+    """(steps, MoE layers, experts) counts of an earlier run's routing.npz, checked against the
+    model here so a bad trace is a ConfigError before any rank starts."""
+    try:
+        counts = np.load(path)["counts"]
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError(f"train.routing_trace={path!r} cannot be read as a routing.npz with 'counts': {e}") from None
+    want = (model_cfg.n_layers - model_cfg.first_dense_layers, model_cfg.moe.num_experts)
+    if counts.ndim != 3 or counts.shape[1:] != want or not len(counts):
+        raise ConfigError(f"train.routing_trace={path!r} holds counts of shape {counts.shape}, expected "
+                         f"(steps, {want[0]}, {want[1]}) for this model")
+    return torch.from_numpy(counts.astype(np.float64))

@@ -1,0 +1,84 @@
+"""The human-readable side of ``lrmoe compare``: ``report.md`` and the three plots, drawn
+from the per-system runs' ``metrics.jsonl`` and ``routing.npz``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lrmoe.train.metrics import read_metrics
+
+
+def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -> str:
+    """Write ``report.md``, one table row per system, and return its text for the terminal."""
+    lines = [
+        "# lrmoe compare", "",
+        f"Target validation loss: **{target:.4f}** (unigram loss of the corpus: {unigram:.4f}; "
+        f"the target is {100 * (1 - target / unigram):.1f}% below it).", "",
+        "| system | steps to target | MoE time to target (s) | final val loss | a2a bytes | bwd a2a bytes | "
+        "peak expert-side bytes | mean kept ratio | placement bytes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(v, spec):
+        return "never" if v is None else format(v, spec)
+
+    for name, r in systems.items():
+        lines.append(
+            f"| {name} | {fmt(r['steps_to_target'], 'd')} | {fmt(r['moe_time_to_target_s'], '.2f')} | "
+            f"{fmt(r['final_val_loss'], '.4f')} | {r['a2a_bytes']:,} | {r['bwd_a2a_bytes']:,} | "
+            f"{r['peak_expert_side_bytes']:,} | "
+            f"{fmt(r['mean_kept_ratio'], '.3f')} | {r['placement_bytes']:,} |")
+    lines += ["", "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def plots(out: Path, names: list[str], target: float) -> None:
+    """Validation loss against MoE time, kept ratio per step, and each system's layer-0 expert load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        ev = [r for r in read_metrics(out / name) if "val_loss" in r]
+        ax.plot([r["moe_time_s"] for r in ev], [r["val_loss"] for r in ev], marker="o", ms=3, label=name)
+    ax.axhline(target, color="grey", ls="--", lw=1, label="target")
+    ax.set_xlabel("cumulative MoE-layer time (s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title("Validation loss against MoE time")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "val_loss_vs_moe_time.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name in names:
+        rows = read_metrics(out / name)
+        ax.plot([r["step"] for r in rows], [r["kept_ratio"] for r in rows], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("kept ratio (backward pairs)")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "kept_ratio.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        path = out / name / "routing.npz"
+        if path.exists():
+            counts = np.load(path)["counts"]  # steps x layers x experts
+            load = counts[:, 0, :] / np.maximum(counts[:, 0, :].sum(1, keepdims=True), 1)
+            im = ax.imshow(load.T, aspect="auto", cmap="viridis", interpolation="nearest")
+            fig.colorbar(im, ax=ax, fraction=0.046)
+        ax.set_title(f"{name}: layer-0 load")
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+    fig.tight_layout()
+    fig.savefig(out / "expert_load.png", dpi=120)
+    plt.close(fig)
