@@ -44,8 +44,10 @@ def expert_outputs(x_TD, params):
     return torch.einsum("etf,edf->etd", h, params["experts.down_proj"]), h
 
 
-def dense_moe(x_TD, params, cfg, keep_TK=None):
-    """Returns (out_TD, ids_TK, h_TKF) with autograd through ``params`` and ``x_TD``."""
+def dense_moe(x_TD, params, cfg, keep_TK=None, scale_TK=None):
+    """Returns (out_TD, ids_TK, h_TKF) with autograd through ``params`` and ``x_TD``.
+    ``scale_TK`` scales each pair's expert-path gradient (a sampled backward's 1/π), leaving
+    the output and the router gradient as they are."""
     w_TK, ids_TK = route(x_TD, params, cfg)
     y_ETD, h_ETF = expert_outputs(x_TD, params)
     T = x_TD.shape[0]
@@ -53,6 +55,8 @@ def dense_moe(x_TD, params, cfg, keep_TK=None):
     y_TKD = y_ETD[ids_TK, t]
     if keep_TK is not None:
         y_TKD = torch.where(keep_TK.unsqueeze(-1), y_TKD, y_TKD.detach())
+    if scale_TK is not None:
+        y_TKD = y_TKD.detach() + scale_TK.unsqueeze(-1).to(y_TKD.dtype) * (y_TKD - y_TKD.detach())
     out = (w_TK.unsqueeze(-1) * y_TKD).sum(1)
     if "shared_experts.gate_proj.weight" in params:
         sh = F.silu(x_TD @ params["shared_experts.gate_proj.weight"].t()) * (
@@ -62,12 +66,12 @@ def dense_moe(x_TD, params, cfg, keep_TK=None):
     return out, ids_TK, h_ETF[ids_TK, t]
 
 
-def reference_grads(x_TD, g_TD, state_dict, cfg, keep_TK=None):
+def reference_grads(x_TD, g_TD, state_dict, cfg, keep_TK=None, scale_TK=None):
     """Output, dx and parameter gradients of the dense reference for upstream gradient g."""
     params = {k: v.detach().clone().requires_grad_(v.is_floating_point() and "bias" not in k)
               for k, v in state_dict.items()}
     x = x_TD.detach().clone().requires_grad_(True)
-    out, ids, _ = dense_moe(x, params, cfg, keep_TK)
+    out, ids, _ = dense_moe(x, params, cfg, keep_TK, scale_TK)
     out.backward(g_TD)
     grads = {k: p.grad for k, p in params.items() if p.requires_grad}
     return out.detach(), x.grad, grads, ids

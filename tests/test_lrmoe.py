@@ -180,6 +180,72 @@ def selection_case(group, selection, seed):
     return layer.last_kept, kept_local_E, layer.last_stats["quota_E"], layer.last_stats["kept_E"], ids
 
 
+def sampled_case(group, selection, seed):
+    """Kept set and the backward's exchanges of one fixed-size sampled backward."""
+    mp = pytest.MonkeyPatch()
+    try:
+        cfg = MoEConfig(**QWEN)
+        world, rank = comm.world_size(group), comm.rank_of(group)
+        rec = Recorder(mp, rank)
+        sd, x, g = make_problem(cfg, 64, 3, "none")
+        lo, hi = rank * 64 // world, (rank + 1) * 64 // world
+        layer = MoELayer(cfg, system="lrmoe", group=group,
+                         backward=BackwardConfig(selection=selection, ratio=0.3, seed=seed))
+        layer.load_full_state_dict(sd)
+        out = layer(x[lo:hi])
+        rec.take()
+        out.backward(g[lo:hi])
+        a2a, _ = rec.take()
+        ids = layer.router(x[lo:hi]).ids_TK
+        kept_local_E = torch.bincount(ids[layer.last_kept], minlength=cfg.num_experts)
+        return kept_local_E, layer.last_stats["quota_E"], layer.last_stats["kept_E"], a2a
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("selection", ["sampled", "local-sampled"])
+def test_fixed_size_sampling_keeps_exactly_the_quota(pool, world, selection):
+    for seed in range(3):
+        res = pool.run(world, sampled_case, selection, seed)
+        quota = res[0][1]
+        assert torch.equal(sum(r[0] for r in res), quota), "exactly q_e kept per expert, over all ranks"
+        assert all(torch.equal(r[2], quota) for r in res), "kept_E reports it on every rank"
+    if selection == "local-sampled" and world > 1:
+        # nothing but counts crosses ranks before the rows: E non-finite counts to each peer,
+        # then dy and x rows out and dx back — no score exchange
+        for r in res:
+            assert len(r[3]) == 4, r[3]
+            assert r[3][0][0] == (world - 1) * QWEN["num_experts"] * 8, r[3]
+
+
+def weighted_case(group, selection):
+    """A sampled backward's gradients equal the reference's with exactly its kept pairs and weights."""
+    cfg = MoEConfig(**QWEN)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = make_problem(cfg, 48, 5, "none")
+    sizes = split_tokens(48, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(selection, ratio=0.4, seed=3))
+    layer.load_full_state_dict(sd)
+    x_local = x[lo:hi].clone().requires_grad_(True)
+    layer(x_local).backward(g[lo:hi])
+    keep = comm.all_gather(layer.last_kept, sizes, group)
+    scale = comm.all_gather(layer.last_scale, sizes, group)
+    assert not bool(keep.all()) and bool((scale[keep] >= 1).all()) and bool((scale[~keep] == 0).all())
+    _, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
+    close("dx", x_local.grad, ref_dx[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, want in ref_grads.items():
+        close(f"grad {name}", grads[name], want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("selection", ["sampled", "local-sampled"])
+def test_weighted_gradients_equal_reference(pool, world, selection):
+    pool.run(world, weighted_case, selection)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_random_and_local_selection(pool, world):
     a = pool.run(world, selection_case, "random", 1)
@@ -200,7 +266,7 @@ def test_random_and_local_selection(pool, world):
     assert torch.equal(share.sum(0), quota)
 
 
-def testlargest_remainder():
+def test_largest_remainder():
     counts = torch.tensor([[3, 0, 5], [3, 2, 5], [4, 0, 0]])
     total = torch.tensor([5, 1, 3])
     share = largest_remainder(total, counts)
@@ -260,7 +326,8 @@ def test_huge_finite_values_do_not_overflow_scores():
 # ------------------------------------------------------------------- sampled
 
 
-def test_sampled_is_unbiased():
+@pytest.mark.parametrize("selection", ["sampled", "local-sampled"])
+def test_sampled_is_unbiased(selection):
     """Mean over seeds of every gradient approaches the full gradient, judged by the
     estimator's own variance: with z = (mean − full) / (standard error of the mean), an
     unbiased estimator gives E[z²] = 1 per element; a 10% bias gives far more."""
@@ -275,7 +342,7 @@ def test_sampled_is_unbiased():
     samples = {k: [] for k in want}
     n = 200
     for seed in range(n):
-        layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig("sampled", ratio=0.4, seed=seed,
+        layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig(selection, ratio=0.4, seed=seed,
                                                                       p_min=0.05))
         layer.load_full_state_dict(sd)
         xi = x.clone().requires_grad_(True)

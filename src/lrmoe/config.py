@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 ROUTERS = ("softmax", "sigmoid")
-SELECTIONS = ("lrm", "random", "local", "sampled")
+SELECTIONS = ("lrm", "random", "local", "sampled", "local-sampled")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -121,14 +121,17 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """How the LRMoE backward picks the token–expert pairs it keeps.
+    """How the LRMoE backward picks the token–expert pairs it keeps (docs/design.md "Selections").
 
-    ``selection``: ``"lrm"`` exact global top-q_e by LRM score; ``"random"`` uniform within the
-    quota (seeded); ``"local"`` each rank keeps its largest-remainder share of q_e by its own
-    scores, no score exchange; ``"sampled"`` keep with probability ∝ score (floor ``p_min``),
-    expected count q_e, kept contributions reweighted by 1/p (unbiased).
-    ``ratio``: the fixed-ratio quota q_e = min(c_e, max(1, ceil(ratio·c_e))); 1 keeps every
-    pair (an exact backward). With a :class:`ClusterBudget` the controller's quotas apply,
+    ``selection``: ``"lrm"`` exact global top-q_e by LRM score (the paper's); ``"random"``
+    uniform within the quota (seeded); ``"local"`` each rank keeps its largest-remainder share of
+    q_e by its own scores, no score exchange; ``"sampled"`` exactly q_e kept, each pair with
+    probability π ∝ score (capped at 1, mixed with uniform so that π ≥ min(``p_min``, q_e/c_e)),
+    kept contributions weighted by 1/π — unbiased, all scores exchanged; ``"local-sampled"`` the
+    same drawn by each source rank from its largest-remainder share of q_e — unbiased, exactly
+    q_e, no score exchange.
+    ``ratio``: the fixed-ratio quota q_e = min(c_e, max(1, ceil(ratio·c_e − 1e-6))); 1 keeps
+    every pair (an exact backward). With a :class:`ClusterBudget` the controller's quotas apply,
     capped by the ratio's.
     """
 

@@ -95,6 +95,7 @@ class MoELayer(nn.Module):
         self._stale = self.planner.keeps_replicas  # replicas to fetch before the next forward
         self.last_stats: dict = {}
         self.last_kept: torch.Tensor | None = None  # (T, K) bool after a backward
+        self.last_scale: torch.Tensor | None = None  # (T, K) 1/π of kept pairs after a sampled backward
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     # ---------------------------------------------------------------- placement
@@ -134,14 +135,16 @@ class MoELayer(nn.Module):
         self._backward_calls = int(state["backward_calls"])
         self._stale = self.planner.keeps_replicas  # refetched from the owners at the next forward
 
-    def _selection_generator(self) -> torch.Generator:
-        """A fresh stream per backward call and rank, reproducible from the config's seed."""
+    def _selection_generators(self) -> tuple[torch.Generator, torch.Generator]:
+        """Fresh streams per backward call, reproducible from the config's seed: this rank's own,
+        and one every rank of the group seeds alike."""
         self._backward_calls += 1
-        seed = (self.backward_config.seed * 1_000_003 + self._backward_calls) * 65_537 + self.rank
-        return torch.Generator().manual_seed(seed % (2**63))
+        base = (self.backward_config.seed * 1_000_003 + self._backward_calls) * 65_537
+        own = torch.Generator().manual_seed((base + self.rank) % (2**63))
+        return own, torch.Generator().manual_seed((base - 1) % (2**63))
 
-    def _publish(self, stats: dict, kept_TK: torch.Tensor) -> None:
-        self.last_stats, self.last_kept = stats, kept_TK
+    def _publish(self, stats: dict, kept_TK: torch.Tensor, scale_TK: torch.Tensor | None) -> None:
+        self.last_stats, self.last_kept, self.last_scale = stats, kept_TK, scale_TK
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +161,7 @@ class MoELayer(nn.Module):
         # forward-only call (evaluation between steps) only its own, leaving those for the next.
         pending = self._placement_bytes if training else 0
         self._placement_bytes -= pending
-        call = CallRecord(self._routed, routing.ids_TK, training, pending, self._selection_generator, self._publish)
+        call = CallRecord(self._routed, routing.ids_TK, training, pending, self._selection_generators, self._publish)
         self.last_stats = call.stats
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if training:

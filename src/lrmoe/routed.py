@@ -53,8 +53,10 @@ class CallRecord:
     ids_TK: torch.Tensor
     training: bool  # a grad-enabled call: it updates the load and may be followed by a backward
     pending_placement_bytes: int = 0  # parameter bytes moved since the last training call
-    generator: Callable[[], torch.Generator] | None = None  # a fresh selection stream per backward
-    publish: Callable[[dict, torch.Tensor], None] | None = None  # the backward's stats and kept mask
+    generators: Callable[[], tuple[torch.Generator, torch.Generator]] | None = None  # per backward:
+    # this rank's selection stream and the stream every rank draws alike
+    publish: Callable[[dict, torch.Tensor, torch.Tensor | None], None] | None = None  # the backward's
+    # stats, kept mask and weights of kept contributions
     stats: dict = field(default_factory=dict)
     plan: CallPlan | None = None
     rows: RowPlan | None = None
@@ -209,7 +211,7 @@ def _select(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq
     g_sq_P = squared_norms(g_TD).repeat_interleave(K)
     scores_P = lrm_scores(weights_TK.reshape(-1), g_sq_P, h_sq_P)
     return select(scores_P, call.ids_TK.reshape(-1), call.plan.counts_SE, call.plan.quota_E, ctx.backward,
-                  ctx.group, wire, call.generator())
+                  ctx.group, wire, *call.generators())
 
 
 def routed_backward(
@@ -237,9 +239,10 @@ def routed_backward(
     # Per-row factor of dy = factor · g_t: the routing weight, times 1/p for sampled pairs,
     # times 0 for pairs the masked ablation drops.
     factor_P = weights_TK.reshape(-1)
-    rows = call.rows
+    rows, scale_P = call.rows, None
     if spec.selective:
         sel = _select(call, g_TD, weights_TK, h_sq_P, wire)
+        scale_P = sel.scale_P
         if sel.scale_P is not None:
             factor_P = factor_P * sel.scale_P.to(factor_P.dtype)
         if spec.compacts:
@@ -300,7 +303,7 @@ def routed_backward(
     if x_TD.is_cuda:  # the allocator's view, for the whole process since the last reset
         call.stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(x_TD.device)
     if call.publish is not None:  # a forward-only call in between must not hide this call's stats
-        call.publish(call.stats, keep_TK)
+        call.publish(call.stats, keep_TK, None if scale_P is None else scale_P.view(T, K))
     return dx_TD, dweights_TK, dgate_up, ddown
 
 

@@ -16,6 +16,13 @@ Exact global top-q_e exchanges scalars, never rows: each rank sends, per expert,
 best ``min(q_e, c_{e,r})`` scores (no rank can contribute more to a global top-q_e), sorted in
 selection order, so the receivers can merge them without pair ids. Candidate counts follow
 from the per-(rank, expert) counts every rank already has from the forward.
+
+Selections (``BackwardConfig.selection``): ``lrm`` the exact global top-q_e above (the paper's);
+``random`` q_e uniformly at random, unweighted; ``local`` each rank its largest-remainder share of
+q_e by its own scores; ``sampled`` an unbiased fixed-size sample of exactly q_e pairs across
+ranks with π ∝ score, contributions weighted by 1/π (all scores exchanged); ``local-sampled``
+the same drawn per source rank from its largest-remainder share — unbiased, exactly q_e, and
+no score exchange (lrmoe.sampling).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from lrmoe import comm
 from lrmoe.comm import Group, WireCounter
 from lrmoe.config import BackwardConfig
+from lrmoe.sampling import order_by_group_then_key, position_in_block, sample
 
 
 def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -63,19 +71,6 @@ class Selection:
     nonfinite: bool  # non-finite scores alone exceeded some expert's quota
 
 
-def _order_by_expert_then_key(ids_P: torch.Tensor, key_P: torch.Tensor) -> torch.Tensor:
-    """Pair indices sorted by (expert asc, key desc, pair index asc)."""
-    by_key = torch.argsort(key_P, descending=True, stable=True)
-    by_expert = torch.argsort(ids_P[by_key], stable=True)
-    return by_key[by_expert]
-
-
-def _position_in_block(sorted_block_ids: torch.Tensor, block_sizes: torch.Tensor) -> torch.Tensor:
-    """For ids sorted into consecutive blocks, each element's position inside its block."""
-    starts = block_sizes.cumsum(0) - block_sizes
-    return torch.arange(sorted_block_ids.numel(), device=sorted_block_ids.device) - starts[sorted_block_ids]
-
-
 def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
     """Split total_E[e] over ranks in proportion to counts_SE[:, e]; floors, then the largest
     remainders (ties: lower rank) get one more. Sums exactly to total_E."""
@@ -101,8 +96,12 @@ def select(
     group: Group,
     wire: WireCounter,
     generator: torch.Generator | None = None,
+    shared_generator: torch.Generator | None = None,
 ) -> Selection:
-    """Choose the kept pairs of this rank for the backward (collective over ``group``)."""
+    """Choose the kept pairs of this rank for the backward (collective over ``group``).
+
+    ``generator`` draws this rank's random numbers; ``shared_generator`` those every rank must
+    draw alike (the offsets of a global sample): seeded the same on every rank."""
     W, E = counts_SE.shape
     me = comm.rank_of(group)
     device = scores_P.device
@@ -114,16 +113,19 @@ def select(
     quota_E = torch.maximum(quota_E, nf_E)
 
     if cfg.selection == "sampled":
-        return _sampled(scores_P, finite_P, ids_P, counts_SE, quota_E, cfg, group, wire, generator, nonfinite)
+        return _sampled_global(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, group, wire,
+                               shared_generator, nonfinite)
+    if cfg.selection == "local-sampled":
+        return _sampled_local(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, me, generator, nonfinite)
 
     if cfg.selection == "random":
         key_P = torch.rand(scores_P.shape, generator=generator, dtype=torch.float64).to(device)
     else:
         key_P = scores_P
     key_P = torch.where(finite_P, key_P, torch.full_like(key_P, math.inf))
-    order = _order_by_expert_then_key(ids_P, key_P)
+    order = order_by_group_then_key(ids_P, key_P)
     counts_E_mine = counts_SE[me]
-    pos = _position_in_block(ids_P[order], counts_E_mine.to(device))
+    pos = position_in_block(ids_P[order], counts_E_mine.to(device))
 
     if cfg.selection == "local":
         # Non-finite pairs first, then the rest of q_e apportioned by finite local counts.
@@ -136,8 +138,8 @@ def select(
         all_keys = comm.all_gather(key_P[mine].cpu(), cand_SE.sum(1).tolist(), group, wire)
         src = torch.repeat_interleave(torch.arange(W), cand_SE.sum(1))
         expert = torch.repeat_interleave(torch.arange(E).repeat(W), cand_SE.reshape(-1))
-        merged = _order_by_expert_then_key(expert, all_keys)
-        pos_g = _position_in_block(expert[merged], cand_SE.sum(0))
+        merged = order_by_group_then_key(expert, all_keys)
+        pos_g = position_in_block(expert[merged], cand_SE.sum(0))
         kept = merged[pos_g < quota_E[expert[merged]]]
         kept_SE = torch.bincount(src[kept] * E + expert[kept], minlength=W * E).view(W, E)
 
@@ -147,55 +149,51 @@ def select(
     return Selection(keep_P, kept_SE, quota_E, None, nonfinite)
 
 
-def _sampled(scores_P, finite_P, ids_P, counts_SE, quota_E, cfg, group, wire, generator, nonfinite):
-    """Keep pair i with probability p_i = clamp(c_e·s_i, p_min, 1) (1 for non-finite scores),
-    c_e set so that Σ_i p_i = q_e over expert e's pairs on all ranks; kept contributions are
-    scaled by 1/p_i, an unbiased estimate of the full expert gradient. Where the floor alone
-    exceeds q_e every pair has p = p_min; an expert whose scores are all zero is sampled
-    uniformly with p = max(p_min, q_e / c_e).
+def _weighted(keep_P: torch.Tensor, pi_P: torch.Tensor, finite_P: torch.Tensor) -> torch.Tensor:
+    """Horvitz–Thompson factors: 1/π for kept sampled pairs, 1 for non-finite ones (always kept)."""
+    scale = torch.where(keep_P, 1.0 / pi_P.clamp(min=1e-300), torch.zeros_like(pi_P))
+    return torch.where(finite_P, scale, torch.ones_like(scale))
 
-    Every rank needs all scores of an expert to find c_e: each sends its scores sorted by
-    expert (non-finite as +inf), so the receivers know each score's expert from the counts.
-    """
-    W, E = counts_SE.shape
+
+def _sampled_local(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, me, generator, nonfinite):
+    """Unbiased fixed-size sample with no score exchange: each expert's quota (less its
+    non-finite pairs, always kept) is split over source ranks in proportion to their finite
+    pairs (largest remainder), and each rank draws its exact share from its own pairs with
+    π ∝ score (lrmoe.sampling). Each rank's draw is unbiased for its own pairs' sum, so the
+    sum over ranks is unbiased for the expert's; exactly q_e are kept."""
+    E = counts_SE.shape[1]
     device = scores_P.device
-    ids_cpu = ids_P.cpu()
-    key_P = torch.where(finite_P, scores_P, torch.full_like(scores_P, math.inf)).cpu()
-    by_expert = torch.argsort(ids_cpu, stable=True)
-    all_keys = comm.all_gather(key_P[by_expert], counts_SE.sum(1).tolist(), group, wire)
-    all_ids = torch.repeat_interleave(torch.arange(E).repeat(W), counts_SE.reshape(-1))
-    scale_E = _water_fill(all_keys, all_ids, quota_E, cfg.p_min, E)
-    p_P = _probabilities(key_P, ids_cpu, scale_E, quota_E, counts_SE.sum(0), cfg.p_min)
-    keep_P = torch.rand(p_P.shape, generator=generator, dtype=torch.float64) < p_P
-    kept_local_E = torch.bincount(ids_cpu[keep_P], minlength=E)
-    kept_SE = comm.all_gather(kept_local_E.view(1, E), [1] * W, group, wire)
-    scale_P = torch.where(keep_P, 1.0 / p_P, torch.zeros_like(p_P))
-    return Selection(keep_P.to(device), kept_SE, quota_E, scale_P.to(device), nonfinite)
+    share_SE = largest_remainder(quota_E - nf_SE.sum(0), counts_SE - nf_SE)
+    u_E = torch.rand(E, generator=generator, dtype=torch.float64).to(device)
+    fin = finite_P.nonzero().squeeze(1)
+    keep_f, pi_f = sample(scores_P[fin], ids_P[fin], share_SE[me].to(device), u_E, cfg.p_min)
+    keep_P, pi_P = ~finite_P, torch.ones_like(scores_P, dtype=torch.float64)
+    keep_P[fin], pi_P[fin] = keep_f, pi_f
+    return Selection(keep_P, share_SE + nf_SE, quota_E, _weighted(keep_P, pi_P, finite_P), nonfinite)
 
 
-def _probabilities(key_P, ids_P, scale_E, quota_E, counts_E, p_min):
-    """Keep probabilities of this rank's pairs (see :func:`_sampled`)."""
-    uniform_E = (quota_E.to(torch.float64) / counts_E.clamp(min=1).to(torch.float64)).clamp(min=p_min)
-    c = scale_E[ids_P]
-    p = torch.where(torch.isnan(c), uniform_E[ids_P], (c * key_P).clamp(min=p_min, max=1.0))
-    return torch.where(torch.isfinite(key_P), p, torch.ones_like(p)).clamp(max=1.0)
-
-
-def _water_fill(all_keys, all_ids, quota_E, p_min, E, iters: int = 100):
-    """Per expert, the c with Σ clamp(c·s_i, p_min, 1) = q_e (non-finite pairs count 1); NaN
-    where every finite score is zero. Bisection in float64 on [0, 1/min positive score]: at the
-    upper end every positive score has p = 1."""
-    fin = torch.isfinite(all_keys)
-    budget_E = quota_E.to(torch.float64) - torch.bincount(all_ids[~fin], minlength=E).to(torch.float64)
-    s, ids = all_keys[fin], all_ids[fin]
-    zeros = torch.zeros(E, dtype=torch.float64)
-    smax_E = zeros.scatter_reduce(0, ids, s, "amax")
-    pos = s > 0
-    smin_E = torch.full((E,), math.inf, dtype=torch.float64).scatter_reduce(0, ids[pos], s[pos], "amin")
-    lo, hi = zeros.clone(), torch.where(torch.isfinite(smin_E), 1.0 / smin_E, torch.ones_like(zeros))
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        total = zeros.index_add(0, ids, (mid[ids] * s).clamp(p_min, 1.0))
-        too_many = total > budget_E
-        hi, lo = torch.where(too_many, mid, hi), torch.where(too_many, lo, mid)
-    return torch.where(smax_E > 0, 0.5 * (lo + hi), torch.full_like(lo, math.nan))
+def _sampled_global(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, group, wire, shared_generator,
+                    nonfinite):
+    """Unbiased fixed-size sample over every rank's pairs of an expert: exactly q_e kept, π ∝
+    score across ranks. Each rank sends its finite scores sorted by expert (the receivers know
+    each score's expert and source from the counts); every rank then draws the same sample
+    with the same offsets and keeps its own part."""
+    W, E = counts_SE.shape
+    me = comm.rank_of(group)
+    device = scores_P.device
+    fin = finite_P.nonzero().squeeze(1)
+    ids_f = ids_P[fin]
+    by_expert = torch.argsort(ids_f, stable=True)
+    fin_SE = counts_SE - nf_SE
+    all_scores = comm.all_gather(scores_P[fin][by_expert].cpu(), fin_SE.sum(1).tolist(), group, wire)
+    all_ids = torch.repeat_interleave(torch.arange(E).repeat(W), fin_SE.reshape(-1))
+    u_E = torch.rand(E, generator=shared_generator, dtype=torch.float64)
+    keep_all, pi_all = sample(all_scores, all_ids, quota_E - nf_SE.sum(0), u_E, cfg.p_min)
+    src = torch.repeat_interleave(torch.arange(W), fin_SE.sum(1))
+    kept_SE = torch.bincount(src[keep_all] * E + all_ids[keep_all], minlength=W * E).view(W, E) + nf_SE
+    start = int(fin_SE[:me].sum())
+    mine = slice(start, start + int(fin_SE[me].sum()))
+    keep_P, pi_P = ~finite_P, torch.ones_like(scores_P, dtype=torch.float64)
+    keep_P[fin[by_expert]] = keep_all[mine].to(device)
+    pi_P[fin[by_expert]] = pi_all[mine].to(device)
+    return Selection(keep_P, kept_SE, quota_E, _weighted(keep_P, pi_P, finite_P), nonfinite)

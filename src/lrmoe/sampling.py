@@ -1,0 +1,108 @@
+"""Fixed-size unbiased sampling: exactly q pairs of a group kept, each with a known inclusion
+probability π, so that weighting kept contributions by 1/π (Horvitz–Thompson) estimates the
+group's full sum without bias (docs/design.md "Selections").
+
+Inclusion probabilities are proportional to the score, capped at 1 (the pairs whose scaled
+score reaches 1 are kept for sure, the rest share what is left of q in proportion to their
+scores), then mixed with the uniform q/n: π = (1 − λ)·π_score + λ·q/n with
+λ = min(1, floor·n/q), so that no pair's probability falls below min(floor, q/n). Both parts
+sum to q and lie in [0, 1], so π does too.
+
+Systematic sampling then keeps exactly q: the pairs of a group are laid end to end on a line
+in order of descending score, pair i covering an interval of length π_i; one uniform offset u
+in (0, 1) and the points u, u + 1, …, u + q − 1 pick the pairs whose intervals they fall in.
+Every pair is picked with probability exactly π_i and at most once (π_i ≤ 1); ordering by score
+stratifies the draw, so high- and low-score pairs are both represented. Everything is a few
+vectorised tensor operations over all groups at once (no per-group loop, no host sync), so it
+runs where the scores are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_EDGE = 1e-9  # offsets stay this far from 0 and 1, where float rounding could shift a count
+
+
+def order_by_group_then_key(groups_P: torch.Tensor, key_P: torch.Tensor) -> torch.Tensor:
+    """Indices sorted by (group asc, key desc, index asc)."""
+    by_key = torch.argsort(key_P, descending=True, stable=True)
+    by_group = torch.argsort(groups_P[by_key], stable=True)
+    return by_key[by_group]
+
+
+def position_in_block(sorted_groups: torch.Tensor, sizes_G: torch.Tensor) -> torch.Tensor:
+    """For ids sorted into consecutive blocks, each element's position inside its block."""
+    starts = sizes_G.cumsum(0) - sizes_G
+    return torch.arange(sorted_groups.numel(), device=sorted_groups.device) - starts[sorted_groups]
+
+
+def _segment_cumsum(x: torch.Tensor, sizes_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive and exclusive cumulative sums inside each block of a block-sorted vector."""
+    total = x.cumsum(0)
+    starts = sizes_G.cumsum(0) - sizes_G
+    base_G = torch.where(starts > 0, total[(starts - 1).clamp(min=0)], torch.zeros_like(starts, dtype=x.dtype)) \
+        if total.numel() else torch.zeros_like(starts, dtype=x.dtype)
+    groups = torch.repeat_interleave(torch.arange(sizes_G.numel(), device=x.device), sizes_G)
+    incl = total - base_G[groups]
+    return incl, incl - x
+
+
+def inclusion_probabilities(score_P: torch.Tensor, groups_P: torch.Tensor, quota_G: torch.Tensor,
+                            floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """π per pair for groups of non-negative finite scores, Σ_group π = quota (see the module
+    docstring). Returns (order, π in that order, block sizes): ``order`` sorts pairs by (group,
+    score desc, index)."""
+    G = quota_G.numel()
+    s_all = score_P.to(torch.float64)
+    order = order_by_group_then_key(groups_P, s_all)
+    g, s = groups_P[order], s_all[order]
+    n_G = torch.bincount(groups_P, minlength=G)
+    pos = position_in_block(g, n_G)
+    q_G = torch.minimum(quota_G.to(n_G.device), n_G).to(torch.float64)
+    q, n = q_G[g], n_G[g].to(torch.float64)
+    # tail sums T_m = Σ_{i ≥ m} s_i inside each block; pair m is capped iff m < q and
+    # s_m·(q − m) ≥ T_m, a prefix of the block (the condition only weakens as m grows)
+    incl, excl = _segment_cumsum(s, n_G)
+    block_total = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, s)
+    tail = block_total[g] - excl
+    capped = (pos < q) & (s * (q - pos) >= tail) & (tail > 0)
+    m_G = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, capped.to(torch.float64))
+    # the rest share q − m in proportion to their scores (uniformly if their scores are all zero)
+    rest_total = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(
+        0, g, torch.where(capped, torch.zeros_like(s), s))
+    left = (q_G - m_G)[g]
+    by_score = torch.where(rest_total[g] > 0, left * s / rest_total[g].clamp(min=1e-300),
+                           left / (n - m_G[g]).clamp(min=1))
+    pi = torch.where(capped, torch.ones_like(s), by_score).clamp(max=1.0)
+    lam = (floor * n / q.clamp(min=1)).clamp(max=1.0)
+    pi = (1 - lam) * pi + lam * q / n.clamp(min=1)
+    return order, torch.where(q > 0, pi, torch.zeros_like(pi)), n_G
+
+
+def systematic_sample(order: torch.Tensor, pi_sorted: torch.Tensor, groups_P: torch.Tensor, sizes_G: torch.Tensor,
+                      quota_G: torch.Tensor, u_G: torch.Tensor) -> torch.Tensor:
+    """Keep mask (over the original pairs) of a systematic sample: block g's points
+    u_g + j, j < quota_g, on the line of its pairs' intervals (see the module docstring)."""
+    g = groups_P[order]
+    q_G = torch.minimum(quota_G.to(sizes_G.device), sizes_G).to(torch.float64)
+    total_G = torch.zeros_like(q_G).index_add_(0, g, pi_sorted)
+    # rescale each block's line to length exactly q (float rounding of Σ π), so the q points fit
+    scaled = pi_sorted * torch.where(total_G > 0, q_G / total_G.clamp(min=1e-300), torch.zeros_like(q_G))[g]
+    incl, excl = _segment_cumsum(scaled, sizes_G)
+    u = (u_G.to(q_G) * (1 - 2 * _EDGE) + _EDGE)[g]
+    hits = torch.ceil(incl - u) - torch.ceil(excl - u)  # points in (excl, incl] shifted by u
+    keep = torch.zeros(order.numel(), dtype=torch.bool, device=order.device)
+    keep[order] = hits >= 1
+    return keep
+
+
+def sample(score_P: torch.Tensor, groups_P: torch.Tensor, quota_G: torch.Tensor, u_G: torch.Tensor,
+           floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly min(quota_g, n_g) pairs of each group g kept, π ∝ score (capped, floored);
+    returns (keep_P, π_P) over the original pair order."""
+    order, pi_sorted, n_G = inclusion_probabilities(score_P, groups_P, quota_G, floor)
+    keep = systematic_sample(order, pi_sorted, groups_P, n_G, quota_G, u_G)
+    pi = torch.empty_like(pi_sorted)
+    pi[order] = pi_sorted
+    return keep, pi
