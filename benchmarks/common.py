@@ -104,3 +104,10 @@ def run_ranks(fn: Callable, world: int, args) -> list:
         if p.exitcode:
             raise SystemExit(f"a rank exited with code {p.exitcode}")
     return [results[r] for r in range(world)]
+
+
+def selection_variant(label: str) -> dict:
+    """``sampled^1`` → {"selection": "sampled", "score_power": 1.0}; ``lrm`` → {"selection": "lrm"}:
+    the BackwardConfig fields a study label stands for."""
+    name, _, power = label.partition("^")
+    return {"selection": name, **({"score_power": float(power)} if power else {})}

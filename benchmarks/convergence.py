@@ -22,6 +22,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from common import selection_variant
+
 from lrmoe.config import ClusterBudget
 from lrmoe.meter import ByteModel
 from lrmoe.placement import Placement
@@ -46,15 +48,19 @@ def budget_bytes(cfg: RunConfig, kept: float) -> int:
 def runs(cfg: RunConfig, selections: list[str], ratios: list[float], budgets: list[float]) -> dict[str, RunConfig]:
     """Every run of the study by name, the reference first."""
     out = {REFERENCE_SYSTEM: system_config(cfg, REFERENCE_SYSTEM)}
+
+    def lrmoe(base: RunConfig, label: str, ratio: float) -> RunConfig:
+        run_cfg = system_config(base, f"lrmoe@{ratio:g}")
+        return replace(run_cfg, backward=replace(run_cfg.backward, **selection_variant(label)))
+
+    W = cfg.train.nproc
+    owned = len(Placement.static(cfg.model.moe.num_experts, W).owned(W - 1))
     for sel in selections:
         for r in ratios:
-            out[f"{sel}@{r:g}"] = system_config(cfg, f"lrmoe-{sel}@{r:g}")
+            out[f"{sel}@{r:g}"] = lrmoe(cfg, sel, r)
         for k in budgets:
-            W = cfg.train.nproc
-            budget = ClusterBudget(memory_bytes=budget_bytes(cfg, k), slots=len(Placement.static(
-                cfg.model.moe.num_experts, W).owned(W - 1)))
-            run_cfg = system_config(replace(cfg, budget=budget), f"lrmoe-{sel}@1")
-            out[f"{sel}/budget{k:g}"] = run_cfg
+            budget = ClusterBudget(memory_bytes=budget_bytes(cfg, k), slots=owned)
+            out[f"{sel}/budget{k:g}"] = lrmoe(replace(cfg, budget=budget), sel, 1.0)
     return out
 
 
@@ -75,7 +81,7 @@ def study(cfg: RunConfig, plan: dict[str, RunConfig], out: Path, resume: bool) -
             target = cfg.compare.target_loss or target_from_reference(folder, target_step)
         r = summarise(name, folder, target)
         kind = "budget" if "/budget" in name else ("reference" if name == REFERENCE_SYSTEM else "ratio")
-        rows[name] = {"selection": run_cfg.backward.selection if kind != "reference" else None,
+        rows[name] = {"selection": name.split("@")[0].split("/")[0] if kind != "reference" else None,
                       "quota": kind, "ratio": run_cfg.backward.ratio, **r,
                       "budget_bytes": run_cfg.budget.memory_bytes if kind == "budget" else None,
                       "wall_s": round(time.time() - t0, 1)}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import selection_variant
 
 from lrmoe.config import BackwardConfig
 from lrmoe.layer import moe_layers
@@ -98,7 +99,7 @@ def _dropped(layer, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> dict:
 
 
 def run(cfg, selection: str, ratio: float, steps: int, apply: str, eval_every: int) -> dict:
-    cfg = replace(cfg, backward=replace(cfg.backward, selection=selection, ratio=ratio))
+    cfg = replace(cfg, backward=replace(cfg.backward, ratio=ratio, **selection_variant(selection)))
     t = cfg.train
     torch.set_num_threads(1)
     data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
@@ -163,10 +164,11 @@ def summarise(records: list[dict], window: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/compare.toml")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--selections", default="lrm,random,sampled,local-sampled")
+    ap.add_argument("--selections", default="lrm,random,sampled,local-sampled",
+                    help="selections; name^p sets score_power p (e.g. sampled^1)")
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--apply", default="trimmed", help="comma list of trimmed, experts, upstream")
     ap.add_argument("--eval-every", type=int, default=25)
@@ -198,7 +200,8 @@ def _table(results: dict) -> None:
     print(f"{'run':30s} {'val':>7s} " + " ".join(f"{c.replace('L0.', ''):>12.12s}" for c in cols))
     for key, r in results.items():
         s = r["summary"]
-        print(f"{key:30s} {r['evals'][-1]['val_loss']:7.4f} " + " ".join(f"{s.get(c, float('nan')):12.4f}" for c in cols))
+        cells = " ".join(f"{s.get(c, float('nan')):12.4f}" for c in cols)
+        print(f"{key:30s} {r['evals'][-1]['val_loss']:7.4f} {cells}")
 
 
 def _plot(results: dict, path: Path) -> None:

@@ -129,7 +129,10 @@ class BackwardConfig:
     probability π ∝ score (capped at 1, mixed with uniform so that π ≥ min(``p_min``, q_e/c_e)),
     kept contributions weighted by 1/π — unbiased, all scores exchanged; ``"local-sampled"`` the
     same drawn by each source rank from its largest-remainder share of q_e — unbiased, exactly
-    q_e, no score exchange.
+    q_e, no score exchange. ``score_power``: the samplers' π ∝ score^score_power. The LRM score
+    is a *squared* norm, so 0.5 (π ∝ the norm of the pair's weight-gradient contribution) is
+    the choice that minimises the variance of the weighted estimate; 1 follows the score itself
+    (heavier weights on rare pairs); 0 samples uniformly (weighted by c_e/q_e).
     ``ratio``: the fixed-ratio quota q_e = min(c_e, max(1, ceil(ratio·c_e − 1e-6))); 1 keeps
     every pair (an exact backward). With a :class:`ClusterBudget` the controller's quotas apply,
     capped by the ratio's.
@@ -139,12 +142,16 @@ class BackwardConfig:
     ratio: float = 1.0
     seed: int = 0
     p_min: float = 0.01
+    score_power: float = 0.5
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
             raise _bad("selection", self.selection, f"expected one of {SELECTIONS}")
         _fraction("ratio", self.ratio)
         _fraction("p_min", self.p_min)
+        if isinstance(self.score_power, bool) or not isinstance(self.score_power, (int, float)) \
+                or not 0 <= self.score_power <= 2:
+            raise _bad("score_power", self.score_power, "expected a number in [0, 2]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "expected an integer")
 

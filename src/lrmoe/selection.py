@@ -166,7 +166,7 @@ def _sampled_local(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, me
     share_SE = largest_remainder(quota_E - nf_SE.sum(0), counts_SE - nf_SE)
     u_E = torch.rand(E, generator=generator, dtype=torch.float64).to(device)
     fin = finite_P.nonzero().squeeze(1)
-    keep_f, pi_f = sample(scores_P[fin], ids_P[fin], share_SE[me].to(device), u_E, cfg.p_min)
+    keep_f, pi_f = sample(scores_P[fin].pow(cfg.score_power), ids_P[fin], share_SE[me].to(device), u_E, cfg.p_min)
     keep_P, pi_P = ~finite_P, torch.ones_like(scores_P, dtype=torch.float64)
     keep_P[fin], pi_P[fin] = keep_f, pi_f
     return Selection(keep_P, share_SE + nf_SE, quota_E, _weighted(keep_P, pi_P, finite_P), nonfinite)
@@ -188,7 +188,7 @@ def _sampled_global(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, g
     all_scores = comm.all_gather(scores_P[fin][by_expert].cpu(), fin_SE.sum(1).tolist(), group, wire)
     all_ids = torch.repeat_interleave(torch.arange(E).repeat(W), fin_SE.reshape(-1))
     u_E = torch.rand(E, generator=shared_generator, dtype=torch.float64)
-    keep_all, pi_all = sample(all_scores, all_ids, quota_E - nf_SE.sum(0), u_E, cfg.p_min)
+    keep_all, pi_all = sample(all_scores.pow(cfg.score_power), all_ids, quota_E - nf_SE.sum(0), u_E, cfg.p_min)
     src = torch.repeat_interleave(torch.arange(W), fin_SE.sum(1))
     kept_SE = torch.bincount(src[keep_all] * E + all_ids[keep_all], minlength=W * E).view(W, E) + nf_SE
     start = int(fin_SE[:me].sum())
