@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
+from lrmoe import ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer, comm
 from lrmoe.controller import Controller, max_min_quotas
 from lrmoe.meter import ByteModel
 from lrmoe.placement import Placement, plan_replicas
@@ -127,8 +127,10 @@ def test_controller_budget_errors():
         ClusterBudget(0)
     with pytest.raises(ValueError, match="slots"):
         ClusterBudget(10**6, slots=[1, 0])
-    with pytest.raises(ValueError, match="budget"):
-        MoELayer(cfg, system="static", budget=ClusterBudget(10**6))
+    # every system takes the memory cap (issue 14); one below the owned experts fails at build
+    MoELayer(cfg, system="static", budget=ClusterBudget(10**6))
+    with pytest.raises(MemoryBudgetExceeded, match="memory budget too small"):
+        MoELayer(cfg, system="static", budget=ClusterBudget(slot))
 
 
 def budget_case(group, fraction):

@@ -11,7 +11,8 @@ docs/design.md. Package layout, data flowing one way:
     dispatch.py  row plans and the exchanges that move rows (comm.py counts the bytes)
     experts.py   grouped SwiGLU experts and the one grouped-GEMM seam
     selection.py LRM scores and the kept sets of the backward
-    meter.py     the byte model of the expert side
+    meter.py     the byte model of the expert side and its replay (a call's peak from its plan)
+    errors.py    MemoryBudgetExceeded: a call or layer that cannot live within its memory cap
     routed.py    the routed experts' autograd function and the call record
     layer.py     MoELayer, the nn.Module facade
 
@@ -26,9 +27,10 @@ Shape suffixes on tensor names (``x_TD``, ``counts_SE``, ``assign_ESR``):
 
 from lrmoe.balance import assign_min_peak
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
+from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.layer import MoELayer
 from lrmoe.systems import SYSTEMS, SystemSpec, parse_system_name, spec_of
 
-__all__ = ["BackwardConfig", "ClusterBudget", "MoEConfig", "MoELayer", "SYSTEMS", "SystemSpec", "assign_min_peak",
-           "parse_system_name", "spec_of"]
+__all__ = ["BackwardConfig", "ClusterBudget", "MemoryBudgetExceeded", "MoEConfig", "MoELayer", "SYSTEMS", "SystemSpec",
+           "assign_min_peak", "parse_system_name", "spec_of"]
 __version__ = "0.1.0"

@@ -28,6 +28,7 @@ import torch
 
 from lrmoe.balance import experts_of_ranks, max_flow
 from lrmoe.config import ClusterBudget, MoEConfig
+from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.meter import ByteModel
 from lrmoe.placement import Placement
 
@@ -46,16 +47,15 @@ class Controller:
     # ------------------------------------------------------------------ slots
     def slots(self, base: Placement) -> list[int]:
         """Expert slots per rank: the budget's fixed slots, or owned experts plus a share of the
-        remaining memory. Raises if a rank cannot hold one copy of each expert it owns."""
+        remaining memory. Raises :class:`MemoryBudgetExceeded` if a rank cannot hold one copy of
+        each expert it owns."""
         out = []
         for r in range(self.world):
             owned = len(base.owned(r))
             need = owned * self.costs.slot
             if self.memory_R[r] < need:
-                raise ValueError(
-                    f"memory budget too small: rank {r} has {self.memory_R[r]} bytes, its {owned} owned "
-                    f"experts need {need} (parameters + gradients, {self.costs.slot} bytes each)"
-                )
+                raise MemoryBudgetExceeded(r, need, self.memory_R[r], f"its {owned} owned experts need "
+                                           f"{self.costs.slot} bytes each (parameters + gradients)", "its experts")
             if self.fixed_slots_R is not None:
                 slots = self.fixed_slots_R[r]
             else:
@@ -71,33 +71,40 @@ class Controller:
         for r in range(self.world):
             used = self._slot_bytes(placement, r)
             if used > self.memory_R[r]:
-                raise ValueError(
-                    f"memory budget too small: rank {r} has {self.memory_R[r]} bytes, its "
-                    f"{len(placement.slots[r])} expert slots need {used}"
-                )
+                raise MemoryBudgetExceeded(r, used, self.memory_R[r], "fewer replica slots would help: "
+                                           "ClusterBudget(slots=...)", f"its {len(placement.slots[r])} expert slots")
 
     # ------------------------------------------------------------------ forward
     def forward_chunk_rows(self, placement: Placement, rank: int, recv_rows: int) -> int:
-        """Rows the complete forward may compute at once on ``rank`` within its budget."""
-        room = self.memory_R[rank] - self._slot_bytes(placement, rank) - recv_rows * self.costs.fwd_io
+        """Rows the complete forward may compute at once on ``rank`` within its budget; raises
+        :class:`MemoryBudgetExceeded` where not even one row fits beside every received row's x, y."""
+        slots = self._slot_bytes(placement, rank)
+        room = self.memory_R[rank] - slots - recv_rows * self.costs.fwd_io
         chunk = room // self.costs.fwd_compute
         if recv_rows and chunk < 1:
-            raise ValueError(
-                f"memory budget too small for the complete forward: rank {rank} has "
-                f"{self.memory_R[rank]} bytes, its slots take {self._slot_bytes(placement, rank)} and its "
-                f"{recv_rows} received rows {recv_rows * self.costs.fwd_io} (x and y), leaving "
-                f"{max(room, 0)} for computing; one row needs {self.costs.fwd_compute}"
-                + (" (fewer replica slots would help: ClusterBudget(slots=...))" if placement.replicas(rank) else "")
-            )
+            raise MemoryBudgetExceeded(
+                rank, slots + recv_rows * self.costs.fwd_io + self.costs.fwd_compute, self.memory_R[rank],
+                f"its slots take {slots} and its {recv_rows} received rows {recv_rows * self.costs.fwd_io} (x and y), "
+                f"one row computed needs {self.costs.fwd_compute}; a larger cap or fewer tokens per call would help"
+                + (", or fewer replica slots (ClusterBudget(slots=...))" if placement.replicas(rank) else ""),
+                "the complete forward")
         return int(max(min(chunk, recv_rows), 1))
+
+    def forward_rows_capacity(self, placement: Placement, rank: int) -> int:
+        """Most received rows whose x and y fit on ``rank`` beside one row being computed (the
+        bound :meth:`forward_chunk_rows` needs), for a forward assignment within the budget."""
+        room = self.memory_R[rank] - self._slot_bytes(placement, rank) - self.costs.fwd_compute
+        return int(max(room, 0) // self.costs.fwd_io)
 
     # ------------------------------------------------------------------ backward
     def kept_capacity(self, placement: Placement) -> list[int]:
         """Backward rows each rank can keep within its memory (and network) budget."""
         caps = []
+        # a kept row's dy, x and recomputed activations; at least dy, x and x's slot-major copy
+        per_row = max(self.costs.bwd_kept, 3 * self.costs.row)
         for r in range(self.world):
             room = self.memory_R[r] - self._slot_bytes(placement, r)
-            cap = max(room, 0) // self.costs.bwd_kept
+            cap = max(room, 0) // per_row
             if self.network_R is not None:
                 cap = min(cap, self.network_R[r] // self.costs.bwd_wire)
             caps.append(int(cap))
@@ -105,9 +112,19 @@ class Controller:
 
     def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None = None
                ) -> torch.Tensor:
-        """Max–min fair quotas (int64, E) for the global per-expert counts of one call."""
+        """Max–min fair quotas (int64, E) for the global per-expert counts of one call; raises
+        :class:`MemoryBudgetExceeded` where the budget cannot keep one pair of every expert with
+        pairs (its rank: the one holding the most such experts beyond its kept capacity)."""
         cap_R = self.kept_capacity(placement) if cap_R is None else cap_R
-        return max_min_quotas(counts_E, placement.holder_lists, cap_R)
+        try:
+            return max_min_quotas(counts_E, placement.holder_lists, cap_R)
+        except ValueError as e:
+            busy = [sum(1 for e_ in placement.slots[r] if int(counts_E[e_]) > 0) for r in range(self.world)]
+            r = max(range(self.world), key=lambda r: (busy[r] - cap_R[r], -r))
+            per_row = max(self.costs.bwd_kept, 3 * self.costs.row)
+            raise MemoryBudgetExceeded(
+                r, self._slot_bytes(placement, r) + max(busy[r], cap_R[r] + 1) * per_row, self.memory_R[r],
+                f"{e}; a larger cap or fewer replica slots would help", "one kept pair per expert") from None
 
 
 def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list[int]) -> torch.Tensor:

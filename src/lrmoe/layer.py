@@ -38,6 +38,13 @@ class MoELayer(nn.Module):
     (``routing_trace``: (steps, E) loads for its offline pool), ``laer``, ``ultraep``, ``topoep``
     (``budget.ranks_per_node``). ``last_stats`` is refreshed by each forward and backward. Call
     :meth:`step_end` after every optimizer step (a no-op for systems without replicas).
+
+    ``budget.memory_bytes`` caps every system's expert side (docs/design.md "The paper's
+    regime"; :mod:`lrmoe.plan` says how each system fits): ``last_stats`` then reports
+    ``memory_cap_bytes`` (and, but for lrmoe, ``predicted_peak_bytes``), and a call that cannot
+    fit raises :class:`~lrmoe.errors.MemoryBudgetExceeded` on every rank before its rows move
+    (a cap below a rank's owned experts, when the layer is built). ``replica_slots`` is the
+    number of expert copies this rank holds in the call.
     """
 
     def __init__(

@@ -11,7 +11,9 @@ With D model dim, F expert hidden dim and s bytes per element:
   and replica gradients leave through a send buffer of one copy's parameters per replica.
 
 :class:`MemoryMeter` follows the tensors the routed path really allocates; the controller and
-the simulator use the same figures through :class:`ByteModel`.
+the simulator use the same figures through :class:`ByteModel`. :func:`expert_side_peak` replays
+the meter on numbers (:class:`RankWork`): the planner predicts every rank's peak from a call's
+plan with it before any row moves (a memory cap), and the simulator applies it at paper scale.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.config import MoEConfig
+from lrmoe.systems import SystemSpec, spec_of
 
 H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
 GIB = 1 << 30
@@ -115,3 +118,90 @@ class MemoryMeter:
     def reach(self, extra: int) -> None:
         """A transient of ``extra`` bytes on top of what is held (freed at once)."""
         self.peak = max(self.peak, self.now + extra)
+
+
+# ------------------------------------------------------------------------------ analytic replay
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank's expert side handles in one layer call."""
+
+    fwd_rows: int  # rows received for the forward (capacity: the kept ones)
+    bwd_rows: int  # rows received for the backward (lrmoe: kept pairs only)
+    copies: int  # expert copies held (owned + replicas; laer: experts assembled here)
+    owned: int  # experts owned (laer: 0, it owns slices)
+    chunk_rows: int | None = None  # forward computed this many rows at a time; None: all at once
+    world: int = 1
+    replicas_anywhere: bool = False  # some rank holds a replica: gradients are reduced to owners (laer: always)
+    sliced: int = 0  # laer: experts of which this rank holds a 1/world slice (and its gradient)
+    backward: bool = True  # False: a forward-only call (nothing kept, no backward)
+
+
+def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, work: RankWork) -> int:
+    """Peak expert-side bytes of one rank over a layer call's forward and backward: the layer's
+    :class:`MemoryMeter` replayed on numbers, the same holds and drops in the same order, so it
+    equals ``last_stats["peak_expert_side_bytes"]`` for the rows a rank receives
+    (tests/test_simulate.py, tests/test_memory_cap.py check it against the real layer).
+
+    The sequence (s = dtype size, R_f forward rows, R_b backward rows, L local copies):
+
+    - base: every local copy's parameters and gradient buffer (``2·3·D·F·s`` each), plus, when
+      the rank holds replicas, the owned weights' second copy in the concatenated slot weights
+      (laer: its slices of every expert and their gradients, plus the assembled copies);
+    - forward: received rows x (``R_f·D·s``; reordered slot-major through a second buffer when
+      the rank has several slots and the world several ranks), then y (``R_f·D·s``) and either
+      the four (R_f, F) activations (gate, up, silu, h) or, when the forward is chunked, one
+      chunk's; ‖h‖² (8 bytes a row) for the selective systems;
+    - kept to the backward (the system's :class:`~lrmoe.systems.SystemSpec`): systems that save
+      activations keep x and the activations (unless the forward was chunked); those that only
+      save rows keep x; the compacting backward (lrmoe) keeps nothing;
+    - backward: dy rows (and, when the backward compacts, the re-sent x rows of kept pairs), the
+      four recomputed activations unless saved, and the replica-gradient send buffer.
+    """
+    spec = spec_of(system)
+    bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
+    replicas = work.copies - work.owned
+    regroup = work.world > 1 and work.copies > 1
+    row, acts_row = bm.row, bm.fwd_compute
+
+    now = bm.slots_held(work.copies, work.owned) + 2 * work.sliced * 3 * dim * (ffn_dim // work.world) * dtype_bytes
+    peak = now
+
+    def receive(rows: int) -> None:
+        nonlocal now, peak
+        now += rows * row
+        peak = max(peak, now + (rows * row if regroup else 0))
+
+    # forward
+    Rf = work.fwd_rows
+    receive(Rf)
+    h_sq = H_SQ_BYTES * Rf if spec.selective else 0
+    chunked = work.chunk_rows is not None and work.chunk_rows < Rf
+    if chunked:
+        now += Rf * row + h_sq
+        peak = max(peak, now, now + work.chunk_rows * acts_row)
+    else:
+        now += Rf * row + Rf * acts_row
+        peak = max(peak, now)
+        now += h_sq
+        peak = max(peak, now)
+    if not work.backward:
+        return int(peak)
+    now -= h_sq + Rf * row  # ‖h‖² and y went home
+    saved_acts = spec.saves_activations and not chunked
+    if not spec.saves_activations and not chunked:
+        now -= Rf * acts_row
+    if not spec.saves_rows:
+        now -= Rf * row
+
+    # backward
+    Rb = work.bwd_rows
+    receive(Rb)  # dy
+    if spec.compacts:
+        receive(Rb)  # x of the kept pairs, re-sent by their home ranks
+    peak = max(peak, now + (0 if saved_acts else Rb * acts_row))
+    if saved_acts:
+        now -= Rf * acts_row
+    if work.replicas_anywhere:
+        now += replicas * bm.slot_params  # replica gradients' send buffer (laer: every assembled copy's)
+        peak = max(peak, now)
+    return int(peak)

@@ -8,11 +8,31 @@ collective and touches no tensor of the model: every rank computes the same plan
 counts. :class:`lrmoe.layer.MoELayer` and the simulator (``lrmoe.sim.plan``) drive the same
 object, so what the simulator projects is what the layer does. Which planner and assignment
 rule apply is read from the :class:`~lrmoe.systems.SystemSpec` (docs/design.md "Systems").
+
+Under a memory cap (``ClusterBudget(memory_bytes=M)``) every system lives within M by the one
+byte model (docs/design.md "The paper's regime"). ``lrmoe`` plans through its controller. For
+every other system the planner predicts each rank's peak from the call's plan with
+:func:`lrmoe.meter.expert_side_peak` (the layer's meter replayed on numbers) before any row
+moves:
+
+- a rank whose rows do not fit at once computes its forward in the largest chunks that do,
+  where the system keeps no activations to the backward (static and capacity keep them, so
+  their rows and activations must fit whole);
+- replicated systems spread pairs min-peak within each rank's room where the unbounded spread
+  does not fit, and hold the most copies that fit, never more than their unconstrained default
+  and never fewer than their owned experts: one slot at a time is taken from the rank furthest
+  over the cap, re-planning each time, until a plan fits. Per-step planners choose their slots
+  at every re-plan against the last call's rows, and re-plan inside a training call that does
+  not fit (its copies fetched before rows move); per-call planners choose for each call
+  (ultraep replicas, laer assembled experts; fastermoe drops its least-loaded shadows first).
+  Fixed ``ClusterBudget.slots`` are kept as given;
+- where nothing fits, every rank raises the same :class:`~lrmoe.errors.MemoryBudgetExceeded`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +41,8 @@ from lrmoe import planners
 from lrmoe.balance import assign_min_peak
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.controller import Controller
-from lrmoe.meter import expert_param_bytes
+from lrmoe.errors import MemoryBudgetExceeded
+from lrmoe.meter import ByteModel, RankWork, expert_param_bytes, expert_side_peak
 from lrmoe.placement import Placement, plan_replicas
 from lrmoe.planners import CostModel
 from lrmoe.selection import fixed_ratio_quota
@@ -41,11 +62,23 @@ class CallPlan:
     counts_SE: torch.Tensor  # int64 (W, E) routed pairs per source rank and expert
     forward_SE: torch.Tensor  # pairs the forward computes (a capacity factor drops the rest)
     assign_ESR: torch.Tensor  # int64 (E, W, W) forward pairs of expert e from source s computed at r
-    chunk_rows_R: list[int] | None  # rows each rank may compute at once (None: all at once)
+    chunk_rows_R: list[int] | None  # rows each rank may compute at once (None: every rank all at once)
     kept_capacity_R: list[int] | None  # backward rows each rank may keep (None: unbounded)
     quota_E: torch.Tensor | None  # selective backward: pairs each expert keeps
     fetch: bool  # the call placed new copies: fetch them before the forward (collective)
     stats: dict = field(default_factory=dict)  # the plan's own figures (shadows, replicas, ...)
+    peak_R: list[int] | None = None  # predicted expert-side peak per rank (a capped non-controller system)
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """One candidate plan of a call under a memory cap, with every rank's predicted peak."""
+
+    placement: Placement
+    assign_ESR: torch.Tensor
+    chunk_rows_R: list[int]
+    peak_R: list[int]
+    ok: bool  # every rank within its cap
 
 
 class LayerPlanner:
@@ -63,17 +96,24 @@ class LayerPlanner:
         self.node_of = budget.node_of(world) if budget is not None else None
         self.base = Placement.static(config.num_experts, world)
         self.placement = self.base
-        budgeted = budget is not None and budget.memory_bytes is not None
-        use_controller = budgeted and spec.planner is Planner.CONTROLLER
+        self.memory_R, _, self.fixed_slots_R = budget.per_rank(world) if budget is not None else (None, None, None)
+        use_controller = self.memory_R is not None and spec.planner is Planner.CONTROLLER
         self.controller = Controller(config, budget, world) if use_controller else None
+        # a cap this planner keeps every call within by the byte model (lrmoe: its controller does)
+        self.capped = self.memory_R is not None and self.controller is None
+        self.bytes = ByteModel.of(config, spec.selective)
         link = budget.inter_node_gbps if budget is not None and budget.inter_node_gbps else CostModel.link_gbps
         self.costs = CostModel(config.dim, config.ffn_dim, config.torch_dtype.itemsize, link_gbps=link)
-        self.slots_R = self._plan_slots(budget)
+        self.default_slots_R = self._plan_slots()
+        self.slots_R = None if self.default_slots_R is None else list(self.default_slots_R)
         self.load_E = torch.ones(config.num_experts, dtype=torch.float64)
         self.steps = 0
         self.bound_optimizer_bytes = 0  # flexmoe: modelled, not moved (docs/systems.md)
+        self._last_SE: torch.Tensor | None = None  # the last training call's rows (a capped re-plan's prediction)
         self._trace: list[torch.Tensor] = []  # smartmoe without a given trace: its own first loads
         self._pool = None if routing_trace is None else self._build_pool(torch.as_tensor(routing_trace))
+        if self.capped:
+            self._check_owned()
         if self.keeps_replicas:
             self._replan()
 
@@ -84,63 +124,101 @@ class LayerPlanner:
         return self.slots_R is not None and self.spec.placement is not PlacementKind.PER_CALL \
             and self.spec.placement is not PlacementKind.SHARDED
 
-    def _plan_slots(self, budget: ClusterBudget | None) -> list[int] | None:
-        """Expert slots per rank for the replicated systems; None: single copies."""
+    def _plan_slots(self) -> list[int] | None:
+        """Expert slots per rank for the replicated systems (the most a cap may leave them);
+        None: single copies."""
         if self.controller is not None:
             return self.controller.slots(self.base)
         if not self.spec.uses_slots:  # fastermoe shadows on every rank
             return None
-        fixed = budget.per_rank(self.world)[2] if budget is not None else None
-        if fixed is not None:
-            return fixed
+        if self.fixed_slots_R is not None:
+            return list(self.fixed_slots_R)
         # SYMI default: half as many replica slots as owned experts (at least one); for laer the
         # experts a rank may assemble in one call
         owned = [len(self.base.owned(r)) for r in range(self.world)]
         return [o + max(1, math.ceil(o / 2)) for o in owned]
 
-    def _replan(self) -> None:
-        """Re-plan replicas from the smoothed load (between steps)."""
+    def _step_placement(self, slots_R: list[int]) -> Placement:
+        """A per-step planner's placement within ``slots_R`` (pure: adopted by :meth:`_adopt`)."""
         planner = self.spec.planner
         if planner is Planner.FLEXMOE:
-            old = self.placement
-            self.placement, _ = planners.flexmoe_replan(old, self.load_E, self.slots_R, self.costs, FLEXMOE_HORIZON)
+            current = self._trim(self.placement, slots_R)
+            return planners.flexmoe_replan(current, self.load_E, slots_R, self.costs, FLEXMOE_HORIZON)[0]
+        if planner is Planner.SMARTMOE:
+            chosen = self.placement if self._pool is None else self._pool[planners.pick_from_pool(self._pool,
+                                                                                                 self.load_E)]
+            return self._trim(chosen, slots_R)
+        node_of = self.node_of if planner is Planner.NODE_AWARE else None
+        return plan_replicas(self.base, self.load_E, slots_R, node_of)
+
+    def _trim(self, placement: Placement, slots_R: list[int]) -> Placement:
+        """``placement`` with, on every rank over its slots, its coldest replicas (least smoothed
+        load per copy) dropped."""
+        load = self.load_E.tolist()
+        keep = []
+        for r in range(self.world):
+            room = max(slots_R[r] - len(self.base.owned(r)), 0)
+            mine = sorted(placement.replicas(r), key=lambda e: (-load[e] / len(placement.holders(e)), e))
+            keep.append(mine[:room])
+        return self.base.with_replicas(keep)
+
+    def _replan(self) -> None:
+        """Re-plan replicas from the smoothed load (between steps); under a cap, with the most
+        slots (up to the default) whose plan fits the last call's rows."""
+        if self.spec.planner is Planner.SMARTMOE and self._pool is None and len(self._trace) >= SMARTMOE_WARMUP:
+            self._pool = self._build_pool(torch.stack(self._trace))
+        if self.capped and self.fixed_slots_R is None and self._last_SE is not None:
+            fit, self.slots_R, _ = self._search_slots(self._step_placement, self.default_slots_R, self._last_SE, True)
+            self._adopt(fit.placement if fit is not None else self._step_placement(self.slots_R))
+        else:
+            self._adopt(self._step_placement(self.slots_R))
+
+    def _adopt(self, placement: Placement) -> None:
+        """Make ``placement`` this layer's replica plan (flexmoe: the optimizer state it binds)."""
+        if self.spec.planner is Planner.FLEXMOE:
             # the optimizer state this rank, as owner, would send along with its experts' new copies
             owner_E = self.base.owner_E
-            sent = sum(int(owner_E[e]) == self.rank for new, was in zip(self.placement.slots, old.slots)
+            sent = sum(int(owner_E[e]) == self.rank for new, was in zip(placement.slots, self.placement.slots)
                        for e in set(new) - set(was))
             self.bound_optimizer_bytes += sent * ADAM_STATES * expert_param_bytes(
                 self.config.dim, self.config.ffn_dim, self.config.torch_dtype.itemsize)
-        elif planner is Planner.SMARTMOE:
-            if self._pool is None and len(self._trace) >= SMARTMOE_WARMUP:
-                self._pool = self._build_pool(torch.stack(self._trace))
-            if self._pool is not None:
-                self.placement = self._pool[planners.pick_from_pool(self._pool, self.load_E)]
-        else:
-            node_of = self.node_of if planner is Planner.NODE_AWARE else None
-            self.placement = plan_replicas(self.base, self.load_E, self.slots_R, node_of)
+        self.placement = placement
         if self.controller is not None:
             self.controller.check_slots(self.placement)
 
     def _build_pool(self, trace_NE: torch.Tensor) -> list[Placement]:
         """SmartMoE's offline pool of placements from a (calls, E) load trace."""
-        return planners.placement_pool(trace_NE, self.base, self.slots_R, SMARTMOE_POOL)
+        return planners.placement_pool(trace_NE, self.base, self.default_slots_R, SMARTMOE_POOL)
+
+    def _shadow_placement(self, shadow: list[int]) -> Placement:
+        """FasterMoE: every shadowed expert copied to every rank."""
+        owner_E = self.base.owner_E
+        return self.base.with_replicas([[e for e in shadow if int(owner_E[e]) != r] for r in range(self.world)])
+
+    def _call_placement(self, counts_SE: torch.Tensor, slots_R: list[int]) -> Placement:
+        """Per-call slot planners: laer's assembled experts or ultraep's replicas within ``slots_R``."""
+        counts_E = counts_SE.sum(0)
+        if self.spec.planner is Planner.LAER:  # assembled in the routed forward, from the slices
+            return planners.laer_layout(counts_E, self.base, slots_R)
+        # replica counts ∝ this call's load; per-replica quotas by assign_min_peak (UltraEP)
+        return plan_replicas(self.base, counts_E.to(torch.float64), slots_R)
+
+    def _call_stats(self, placement: Placement, shadowed: int = 0) -> dict:
+        planner = self.spec.planner
+        if planner is Planner.LAER:
+            return {"assembled_experts": placement.num_copies}
+        if planner is Planner.SHADOW:
+            return {"shadowed_experts": shadowed}
+        return {"replicas": placement.num_copies - self.config.num_experts}
 
     def _place_call(self, counts_SE: torch.Tensor) -> dict:
-        """Per-call planners: this call's placement from its own counts. Returns its stats."""
-        counts_E = counts_SE.sum(0)
-        planner = self.spec.planner
-        if planner is Planner.LAER:  # assembled in the routed forward, from the slices
-            self.placement = planners.laer_layout(counts_E, self.base, self.slots_R)
-            return {"assembled_experts": self.placement.num_copies}
-        if planner is Planner.SHADOW:
+        """Per-call planners without a cap: this call's placement from its own counts. Returns its stats."""
+        if self.spec.planner is Planner.SHADOW:
             shadow = planners.shadow_experts(counts_SE, self.base, self.costs)
-            owner_E = self.base.owner_E
-            self.placement = self.base.with_replicas(
-                [[e for e in shadow if int(owner_E[e]) != r] for r in range(self.world)])
-            return {"shadowed_experts": len(shadow)}
-        # replica counts ∝ this call's load; per-replica quotas by assign_min_peak (UltraEP)
-        self.placement = plan_replicas(self.base, counts_E.to(torch.float64), self.slots_R)
-        return {"replicas": self.placement.num_copies - self.config.num_experts}
+            self.placement = self._shadow_placement(shadow)
+            return self._call_stats(self.placement, len(shadow))
+        self.placement = self._call_placement(counts_SE, self.slots_R)
+        return self._call_stats(self.placement)
 
     def observe(self, counts_E: torch.Tensor) -> None:
         """A training call's global load enters the smoothed load (and smartmoe's trace)."""
@@ -163,6 +241,192 @@ class LayerPlanner:
             return None
         out, self.bound_optimizer_bytes = self.bound_optimizer_bytes, 0
         return out
+
+    # ---------------------------------------------------------------- memory cap
+    def _work(self, placement: Placement, r: int, rows: int, training: bool, chunk: int | None = None) -> RankWork:
+        """What rank r's expert side handles computing ``rows`` rows under ``placement`` (the
+        backward of these systems carries the forward's rows)."""
+        sharded = self.spec.placement is PlacementKind.SHARDED
+        E = self.config.num_experts
+        owned = 0 if sharded else len(placement.owned(r))
+        return RankWork(rows, rows if training else 0, len(placement.slots[r]), owned, chunk, self.world,
+                        sharded or placement.num_copies > E, E if sharded else 0, training)
+
+    def _peak(self, work: RankWork) -> int:
+        return expert_side_peak(self.spec, self.config.dim, self.config.ffn_dim, self.bytes.dtype_bytes, work)
+
+    @property
+    def _chunks(self) -> bool:
+        """The forward may be chunked: the system keeps no activations to the backward."""
+        return not self.spec.saves_activations
+
+    def _rank_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int]:
+        """(chunk rows, predicted peak) of rank r computing ``rows`` rows: all at once where that
+        fits, else the largest chunk that does; the peak is over the cap where nothing fits."""
+        cap = self.memory_R[r]
+        peak = self._peak(self._work(placement, r, rows, training))
+        if peak <= cap or not self._chunks or rows <= 1:
+            return max(rows, 1), peak
+        lo, hi = 1, rows - 1  # the largest chunk within the cap, if chunks of one row are
+        if self._peak(self._work(placement, r, rows, training, lo)) > cap:
+            return lo, self._peak(self._work(placement, r, rows, training, lo))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._peak(self._work(placement, r, rows, training, mid)) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, self._peak(self._work(placement, r, rows, training, lo))
+
+    def _rows_within(self, placement: Placement, r: int, training: bool) -> int:
+        """Most rows rank r can compute within its cap under ``placement`` (chunked if need be)."""
+        chunk = 1 if self._chunks else None
+
+        def fits(n: int) -> bool:
+            return self._peak(self._work(placement, r, n, training, chunk)) <= self.memory_R[r]
+
+        if not fits(0):
+            return 0
+        lo, hi = 0, self.memory_R[r] // self.bytes.row + 1  # fits(lo), not fits(hi): a row is ≥ D·s bytes
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _measure(self, placement: Placement, assign_ESR: torch.Tensor, training: bool) -> _Fit:
+        recv_R = assign_ESR.sum((0, 1)).tolist()
+        chunk_R, peak_R = zip(*(self._rank_fit(placement, r, int(n), training) for r, n in enumerate(recv_R)))
+        ok = all(p <= m for p, m in zip(peak_R, self.memory_R))
+        return _Fit(placement, assign_ESR, list(chunk_R), list(peak_R), ok)
+
+    def _fit(self, forward_SE: torch.Tensor, placement: Placement, training: bool) -> _Fit:
+        """The call under ``placement``: the system's own assignment, or, where that does not
+        fit and copies can share an expert's pairs, a min-peak one within every rank's room."""
+        fit = self._measure(placement, self.assign(forward_SE, placement), training)
+        if fit.ok or self.spec.assignment is Assignment.LOCAL or placement.owners_only:
+            return fit
+        room_R = [self._rows_within(placement, r, training) for r in range(self.world)]
+        try:
+            bounded = self._measure(placement, self.assign(forward_SE, placement, room_R), training)
+        except ValueError:  # the copies cannot hold the pairs within the rooms
+            return fit
+        return bounded if bounded.ok else fit
+
+    def _search_slots(self, make: Callable[[list[int]], Placement], slots_R: list[int], forward_SE: torch.Tensor,
+                      training: bool) -> tuple[_Fit | None, list[int], list[_Fit]]:
+        """The most slots, from ``slots_R`` down, whose placement fits: one slot at a time is taken
+        from the rank furthest over its cap (lowest rank on ties) among those above their floor,
+        re-planning each time. Fixed ``ClusterBudget.slots`` are tried as given only.
+        Returns (the fitting plan or None, the slots it used, the plans that did not fit)."""
+        sharded = self.spec.placement is PlacementKind.SHARDED
+        floor = [0 if sharded else len(self.base.owned(r)) for r in range(self.world)]
+        slots, failed = list(slots_R), []
+        while True:
+            try:
+                placement = make(slots)
+            except ValueError:  # laer: too few slots to assemble every expert with pairs
+                break
+            fit = self._fit(forward_SE, placement, training)
+            if fit.ok:
+                return fit, slots, failed
+            failed.append(fit)
+            slots = [min(s, len(placement.slots[r])) for r, s in enumerate(slots)]
+            lower = [r for r in range(self.world) if slots[r] > floor[r]]
+            if not lower or self.fixed_slots_R is not None:
+                break
+            slots[max(lower, key=lambda r: (fit.peak_R[r] - self.memory_R[r], -r))] -= 1
+        return None, slots, failed
+
+    def _fit_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
+                  ) -> tuple[_Fit, dict, bool]:
+        """A capped call's plan within the cap: (plan, its stats, whether a per-step placement
+        was re-planned inside the call). Raises :class:`MemoryBudgetExceeded` where none fits."""
+        kind, planner = self.spec.placement, self.spec.planner
+        if kind in (PlacementKind.PER_CALL, PlacementKind.SHARDED):
+            if planner is Planner.SHADOW:  # the most shadows that fit, least-loaded dropped first
+                load = counts_SE.sum(0).tolist()
+                shadow = sorted(planners.shadow_experts(counts_SE, self.base, self.costs), key=lambda e: (-load[e], e))
+                failed = []
+                for k in range(len(shadow), -1, -1):
+                    fit = self._fit(forward_SE, self._shadow_placement(shadow[:k]), training)
+                    if fit.ok:
+                        break
+                    failed.append(fit)
+                else:
+                    raise self._exceeded(failed)
+                stats = self._call_stats(fit.placement, k)
+            else:
+                fit, _, failed = self._search_slots(lambda s: self._call_placement(counts_SE, s), self.slots_R,
+                                                    forward_SE, training)
+                if fit is None:
+                    raise self._exceeded(failed)
+                stats = self._call_stats(fit.placement)
+            self.placement = fit.placement
+            return fit, stats, False
+        fit = self._fit(forward_SE, self.placement, training)
+        if fit.ok:
+            return fit, {}, False
+        failed = [fit]
+        if training and self.keeps_replicas and self.fixed_slots_R is None:
+            # re-plan inside the call; the new copies are fetched before any row moves
+            refit, slots, more = self._search_slots(self._step_placement, self.default_slots_R, forward_SE, training)
+            if refit is not None:
+                self.slots_R = slots
+                self._adopt(refit.placement)
+                return refit, {"replanned_in_call": True}, True
+            failed += more
+        raise self._exceeded(failed)
+
+    def _exceeded(self, failed: list[_Fit]) -> MemoryBudgetExceeded:
+        """The error for the plan that came closest (smallest overflow), at its worst rank."""
+        M = self.memory_R
+        best = min(failed, key=lambda f: max(p - m for p, m in zip(f.peak_R, M)))
+        r = max(range(self.world), key=lambda r: (best.peak_R[r] - M[r], -r))
+        rows = int(best.assign_ESR.sum((0, 1))[r])
+        kept = ("x and activations of every row kept to the backward" if self.spec.saves_activations
+                else "x of every row kept to the backward")
+        helps = "a larger cap or fewer tokens per call would help"
+        if self.spec.saves_activations:
+            helps += ", or a system that keeps less to the backward (static-recompute: rows only; lrmoe: nothing)"
+        tried = ""
+        if self.default_slots_R is not None or self.spec.planner is Planner.SHADOW:
+            tried = "no plan with fewer expert copies fits either; "
+        return MemoryBudgetExceeded(
+            r, best.peak_R[r], M[r],
+            f"it receives {rows} rows and holds {len(best.placement.slots[r])} expert copies, {kept}; {tried}{helps}")
+
+    def _check_owned(self) -> None:
+        """A cap must hold what a rank holds whatever the call: its owned experts (laer: slices)."""
+        sharded = self.spec.placement is PlacementKind.SHARDED
+        for r in range(self.world):
+            owned = 0 if sharded else len(self.base.owned(r))
+            need = self._peak(RankWork(0, 0, owned, owned, None, self.world, sharded,
+                                       self.config.num_experts if sharded else 0))
+            if need > self.memory_R[r]:
+                raise MemoryBudgetExceeded(r, need, self.memory_R[r], "a larger cap or more ranks would help",
+                                           "the experts it owns (parameters and gradients)")
+
+    def _controller_forward(self, forward_SE: torch.Tensor, placement: Placement, assign_ESR: torch.Tensor
+                            ) -> tuple[torch.Tensor, list[int]]:
+        """lrmoe's forward within its budget: the controller's chunks, on a min-peak assignment
+        within each rank's forward room where the unbounded one leaves a rank no room to compute.
+        Every rank checks every rank, so all raise together."""
+        c = self.controller
+
+        def chunks(a: torch.Tensor) -> list[int]:
+            return [c.forward_chunk_rows(placement, r, int(n)) for r, n in enumerate(a.sum((0, 1)).tolist())]
+
+        try:
+            return assign_ESR, chunks(assign_ESR)
+        except MemoryBudgetExceeded as err:
+            if placement.owners_only:
+                raise
+            room_R = [c.forward_rows_capacity(placement, r) for r in range(self.world)]
+            try:
+                bounded = self.assign(forward_SE, placement, room_R)
+            except ValueError:
+                raise err from None
+            return bounded, chunks(bounded)
 
     # ---------------------------------------------------------------- per call
     def forward_quota(self, counts_SE: torch.Tensor) -> torch.Tensor | None:
@@ -191,24 +455,37 @@ class LayerPlanner:
     def plan_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor | None = None,
                   training: bool = True) -> CallPlan:
         """Plan one call from its global counts (``forward_SE``: the pairs a forward drop kept).
-        A training call updates the load and, for a selective backward, fixes the quotas."""
+        A training call updates the load and, for a selective backward, fixes the quotas. Under
+        a memory cap, raises :class:`MemoryBudgetExceeded` (on every rank alike) where the call
+        cannot fit."""
         forward_SE = counts_SE if forward_SE is None else forward_SE
         if training:
             self.observe(counts_SE.sum(0))
+            if self.capped:
+                self._last_SE = forward_SE.clone()
         per_call = self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED)
-        stats = self._place_call(counts_SE) if per_call else {}
-        placement = self.placement
-        assign_ESR = self.assign(forward_SE, placement)
-        chunk_rows_R = kept_capacity_R = quota_E = None
-        if self.controller is not None:  # every rank checks every rank, so all raise together
-            recv_R = assign_ESR.sum((0, 1)).tolist()
-            chunk_rows_R = [self.controller.forward_chunk_rows(placement, r, int(n)) for r, n in enumerate(recv_R)]
+        fetch = self.spec.placement is PlacementKind.PER_CALL
+        chunk_rows_R = kept_capacity_R = quota_E = peak_R = None
+        if self.capped:
+            fit, stats, replanned = self._fit_call(counts_SE, forward_SE, training)
+            placement, assign_ESR, chunk_rows_R, peak_R = fit.placement, fit.assign_ESR, fit.chunk_rows_R, fit.peak_R
+            fetch = fetch or replanned
+        else:
+            stats = self._place_call(counts_SE) if per_call else {}
+            placement = self.placement
+            assign_ESR = self.assign(forward_SE, placement)
+            if self.controller is not None:
+                assign_ESR, chunk_rows_R = self._controller_forward(forward_SE, placement, assign_ESR)
         if self.spec.selective and training:
             kept_capacity_R = self.controller.kept_capacity(placement) if self.controller is not None else None
             quota_E = self.quotas(counts_SE.sum(0), placement, kept_capacity_R)
-        fetch = per_call and self.spec.placement is PlacementKind.PER_CALL
+        stats["replica_slots"] = len(placement.slots[self.rank])
+        if self.memory_R is not None:
+            stats["memory_cap_bytes"] = self.memory_R[self.rank]
+        if peak_R is not None:
+            stats["predicted_peak_bytes"] = peak_R[self.rank]
         return CallPlan(placement, counts_SE, forward_SE, assign_ESR, chunk_rows_R, kept_capacity_R, quota_E,
-                        fetch, stats)
+                        fetch, stats, peak_R)
 
     def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None) -> torch.Tensor:
         """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone."""

@@ -147,7 +147,7 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
     if chunk < rows.recv_rows:
         y_RD, h_sq_R = _expert_forward_chunked(rows_RD, w_gu, w_down, rows.slot_counts, chunk, want_h_sq)
         meter.hold(y_RD, h_sq_R)
-        meter.reach(chunk * 4 * down.shape[2] * y_RD.element_size())
+        meter.reach(chunk * 4 * w_down.shape[2] * y_RD.element_size())
     else:
         y_RD, acts = experts.expert_forward(rows_RD, w_gu, w_down, rows.slot_counts)
         meter.hold(y_RD, *acts.values())

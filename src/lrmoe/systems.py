@@ -59,7 +59,7 @@ class SystemSpec:
     assignment: Assignment
     planner: Planner = Planner.NONE
     forward_drop: bool = False  # capacity factor: overflow pairs dropped in both passes
-    takes_budget: bool = False  # accepts a ClusterBudget (slots, memory, topology)
+    takes_budget: bool = False  # accepts a ClusterBudget (memory cap, slots, topology)
     needs_topology: bool = False  # needs ClusterBudget(ranks_per_node=...)
     takes_trace: bool = False  # accepts a routing trace for an offline placement pool
     uses_slots: bool = False  # replica slots per rank: the budget's, else SYMI's default
@@ -98,13 +98,13 @@ class SystemSpec:
 _S, _STEP, _CALL = PlacementKind.STATIC, PlacementKind.PER_STEP, PlacementKind.PER_CALL
 _FULL = BackwardKind.FULL
 SPECS: dict[str, SystemSpec] = {s.name: s for s in (
-    SystemSpec("static", _S, _FULL, Assignment.OWNER),
-    SystemSpec("static-recompute", _S, BackwardKind.RECOMPUTE, Assignment.OWNER),
+    SystemSpec("static", _S, _FULL, Assignment.OWNER, takes_budget=True),
+    SystemSpec("static-recompute", _S, BackwardKind.RECOMPUTE, Assignment.OWNER, takes_budget=True),
     SystemSpec("lrmoe", _S, BackwardKind.SELECTIVE, Assignment.MIN_PEAK, Planner.CONTROLLER, takes_budget=True),
-    SystemSpec("masked", _S, BackwardKind.MASKED, Assignment.OWNER),
+    SystemSpec("masked", _S, BackwardKind.MASKED, Assignment.OWNER, takes_budget=True),
     SystemSpec("symi", _STEP, _FULL, Assignment.MIN_PEAK, Planner.LOAD, takes_budget=True,
                uses_slots=True, replan_every_step=True),
-    SystemSpec("capacity", _S, _FULL, Assignment.OWNER, forward_drop=True),
+    SystemSpec("capacity", _S, _FULL, Assignment.OWNER, forward_drop=True, takes_budget=True),
     SystemSpec("fastermoe", _CALL, _FULL, Assignment.LOCAL, Planner.SHADOW, takes_budget=True),
     SystemSpec("flexmoe", _STEP, _FULL, Assignment.MIN_PEAK, Planner.FLEXMOE, takes_budget=True,
                uses_slots=True, replan_every_step=True),

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
+from lrmoe.meter import RankWork, expert_side_peak
 from lrmoe.plan import LayerPlanner
 from lrmoe.selection import largest_remainder
 from lrmoe.sim.errors import SimError
-from lrmoe.sim.memory import RankWork, expert_side_peak, kept_between_passes
+from lrmoe.sim.memory import kept_between_passes
 from lrmoe.sim.trace import split_sources
 from lrmoe.systems import spec_of
 
