@@ -225,3 +225,10 @@ def test_chunked_forward_within_the_cap_is_exact(system):
     close("dx", xs.grad, xf.grad)
     for name, p in layer.named_parameters():
         close(name, p.grad, dict(free.named_parameters())[name].grad)
+
+
+def test_laer_with_too_few_fixed_slots_is_a_slot_error_not_a_memory_one():
+    planner = LayerPlanner(spec_of("laer"), MoEConfig(**CFG), 2, budget=ClusterBudget(memory_bytes=10**9, slots=1))
+    with pytest.raises(ValueError, match="can assemble only 2") as err:
+        planner.plan_call(_counts_SE(2))
+    assert not isinstance(err.value, MemoryBudgetExceeded)

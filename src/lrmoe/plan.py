@@ -325,6 +325,8 @@ class LayerPlanner:
             try:
                 placement = make(slots)
             except ValueError:  # laer: too few slots to assemble every expert with pairs
+                if not failed:  # the given slots themselves: not a question of memory
+                    raise
                 break
             fit = self._fit(forward_SE, placement, training)
             if fit.ok:
