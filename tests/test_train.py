@@ -103,12 +103,29 @@ def test_deterministic(pool2, tmp_path):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_pure_data_parallel_equals_one_rank_doubled_batch(pool2, tmp_path):
     # no Switch aux loss: it is computed on each rank's tokens, so it is not the doubled batch's
     common = {"system": "static", "steps": 5, "moe": {"aux_loss_coef": 0.0}}
     pool2.run(2, train_case, {**common, "ep_size": 1, "batch": 4}, str(tmp_path / "dp"))
     train_case(None, {**common, "nproc": 1, "batch": 8}, str(tmp_path / "one"))
     np.testing.assert_allclose(losses(tmp_path / "dp"), losses(tmp_path / "one"), rtol=0, atol=2e-5)
+    dp, one = records(tmp_path / "dp"), records(tmp_path / "one")
+    np.testing.assert_allclose([r["grad_norm"] for r in dp], [r["grad_norm"] for r in one], rtol=1e-4)
+    assert [r["lr"] for r in dp] == [r["lr"] for r in one]
+
+
+def test_grad_norm_counts_every_expert_once(pool2, tmp_path):
+    """Two expert-parallel ranks see the same windows (one data-parallel replica), so their
+    gradient is one rank's: the norm sums each rank's own experts once."""
+    common = {"system": "static", "steps": 3, "batch": 4}
+    pool2.run(2, train_case, common, str(tmp_path / "ep"))
+    train_case(None, {**common, "nproc": 1}, str(tmp_path / "one"))
+    ep, one = records(tmp_path / "ep"), records(tmp_path / "one")
+    np.testing.assert_allclose([r["grad_norm"] for r in ep], [r["grad_norm"] for r in one], rtol=1e-4)
 
 
 def _write_text_folder(folder: Path) -> None:
@@ -123,13 +140,21 @@ def _write_text_folder(folder: Path) -> None:
         (folder / f"part{i}.txt").write_text("\n".join(lines))
 
 
-def test_user_text_folder(tmp_path, monkeypatch):
+def test_user_text_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "texts"
     _write_text_folder(data)
     summary = train_case(None, {"system": "lrmoe", "steps": 3, "nproc": 1, "data": str(data), "vocab_size": 300,
-                                "backward": {"ratio": 0.5}}, str(tmp_path / "run"))
-    assert summary["steps"] == 3 and np.isfinite(summary["val"][-1][1])
+                                "eval_every": 2, "backward": {"ratio": 0.5}}, str(tmp_path / "run"))
+    assert summary["steps"] == 3 and [v["step"] for v in summary["val"]] == [2, 3]
+    assert np.isfinite(summary["val"][-1]["loss"]) and set(summary["val"][-1]) == {"step", "loss", "moe_time_s"}
+    assert summary == json.loads((tmp_path / "run" / "summary.json").read_text())
+    rows = records(tmp_path / "run")
+    assert all(r["lr"] > 0 and np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    assert [r["wall_s"] for r in rows] == sorted(r["wall_s"] for r in rows) and rows[-1]["wall_s"] == summary["wall_s"]
+    # progress through tqdm: in a log (not a terminal), the bar's text as lines
+    err = capsys.readouterr().err
+    assert "3/3" in err and "loss=" in err and "val=" in err and "lr=" in err and "step/s" in err, err
 
 
 def _cli(*args, cwd=None):
@@ -159,7 +184,7 @@ def test_cli_user_errors_are_one_line(tmp_path):
         (["train", "--config", str(cfg), "--data", str(empty)], "empty"),
         (["train", "--config", str(tmp_path / "nope.toml")], "no such file"),
         (["train", "--config", str(bad)], "train.steps=-3"),
-        (["train", "--config", str(cfg), "--system", "fast"], "system='fast'"),
+        (["train", "--config", str(cfg), "--system", "fast"], "--system 'fast' is invalid"),
         (["train", "--config", str(_config_file(sub, system="smartmoe", routing_trace=str(empty)))], "routing_trace"),
     ]:
         r = _cli(*args)

@@ -1,11 +1,14 @@
-"""``lrmoe train | compare``: the command line.
+"""``lrmoe train | compare | simulate``: the command line.
 
-    lrmoe train   --config FILE [--system NAME] [--nproc N] [--ep-size E] [--out DIR] [--resume] [--max-restarts R]
-                  [--steps N] [--data PATH]
-    lrmoe compare --config FILE [--systems a,b,c] [--out DIR] [--resume] [--nproc N] [--steps N] [--data PATH]
+    lrmoe train    --config FILE [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
+                   [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--max-restarts R]
+    lrmoe compare  --config FILE [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
+                   [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite]
+    lrmoe simulate --model NAME --gpus N --gpu-memory GIB[,GIB...] --out DIR [options]
 
-Ranks are launched through ``torch.distributed.run`` (gloo on CPU). A user error (bad config,
-missing data) exits with status 2 and one line on stderr, without a traceback.
+Ranks are launched through ``torch.distributed.run`` (gloo on CPU, NCCL on CUDA). A user error
+(bad config or flag, missing or too little data, a used --out, a checkpoint that does not fit),
+in the launcher or inside a rank, exits with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -14,26 +17,43 @@ import argparse
 import sys
 from pathlib import Path
 
+from lrmoe.systems import parse_system_name
+from lrmoe.train.checkpoint import CheckpointError
 from lrmoe.train.config import ConfigError, RunConfig, load, require_int
 from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
-from lrmoe.train.launch import launch
+from lrmoe.train.launch import RankError, check_out, launch, preflight
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help="TOML file (see configs/)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value, parsed as TOML (repeatable), e.g. --set train.lr=1e-3 "
+                         "--set model.moe.top_k=4 --set backward.selection=random")
     ap.add_argument("--nproc", type=int, help="ranks to launch (overrides train.nproc)")
     ap.add_argument("--ep-size", type=int, help="ranks per expert-parallel group (default: all)")
     ap.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
     ap.add_argument("--data", help="a text file or a folder of text files (default: the built-in corpus)")
-    ap.add_argument("--out", help="output folder")
+    ap.add_argument("--overwrite", action="store_true", help="replace the earlier outputs in a used --out")
 
 
 def _resolve(args: argparse.Namespace) -> RunConfig:
-    """The config file with the flags applied, checked before any rank starts."""
-    cfg = load(args.config)
+    """The config file with ``--set``, ``--system`` and the flags applied, checked before any
+    rank starts (config, data, routing trace, the corpus's size against one global batch)."""
+    cfg = load(args.config, args.set)
+    if getattr(args, "system", None):
+        from lrmoe.train.compare import system_config
+
+        try:
+            parse_system_name(args.system)
+        except ValueError as e:
+            raise ConfigError(f"--{e}") from None
+        try:
+            cfg = system_config(cfg, args.system)  # compare's names: system[-selection][@ratio]
+        except ConfigError as e:  # a selection or ratio [backward] rejects
+            detail = str(e).removeprefix(f"compare system {args.system!r}: ")
+            raise ConfigError(f"--system {args.system!r}: {detail}") from None
     overrides = {k: v for k, v in (("nproc", args.nproc), ("ep_size", args.ep_size), ("steps", args.steps),
-                                   ("data", args.data), ("system", getattr(args, "system", None)))
-                 if v is not None}
+                                   ("data", args.data)) if v is not None}
     try:
         cfg = cfg.with_train(**overrides)
     except ValueError as e:
@@ -44,16 +64,19 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
         from lrmoe.train.build import read_routing_trace
 
         read_routing_trace(cfg.train.routing_trace, cfg.model)  # likewise an unreadable or mismatched trace
+    preflight(cfg)  # and a corpus too small for one global batch
     return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     """``lrmoe train``: one system's run, summarised in one line."""
     cfg = _resolve(args)
-    out = Path(args.out or f"runs/{cfg.train.system}")
+    name = args.system or cfg.train.system
+    out = Path(args.out or f"runs/{name}")
+    check_out(out, args.resume, args.overwrite)
     summary = launch(cfg, out, resume=args.resume, max_restarts=args.max_restarts)
-    val = summary["val"][-1][1] if summary["val"] else float("nan")
-    print(f"trained {summary['steps']} steps of {cfg.train.system}: validation loss {val:.4f} "
+    val = summary["val"][-1]["loss"] if summary["val"] else float("nan")
+    print(f"trained {summary['steps']} steps of {name}: validation loss {val:.4f} "
           f"(unigram {summary['unigram_loss']:.4f}), MoE time {summary['moe_time_s']:.2f} s; results in {out}/")
 
 
@@ -63,7 +86,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
     cfg = _resolve(args)
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
-    run_compare(cfg, systems, Path(args.out or "runs/compare"), resume=args.resume)
+    out = Path(args.out or "runs/compare")
+    check_out(out, args.resume, args.overwrite)
+    run_compare(cfg, systems, out, resume=args.resume)
 
 
 def _floats(flag: str, text: str) -> tuple[float, ...]:
@@ -104,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train one system")
     _common(tr)
-    tr.add_argument("--system", help="overrides train.system")
+    tr.add_argument("--system", help="overrides train.system; compare's names too, e.g. lrmoe-random@0.5 or "
+                                     "masked@0.25 (selection and ratio go to [backward])")
+    tr.add_argument("--out", help="output folder (default runs/SYSTEM); a used one needs --resume or --overwrite")
     tr.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in --out")
     tr.add_argument("--max-restarts", type=int, default=0,
                     help="restart failed ranks this many times; restarted ranks resume from the last checkpoint")
@@ -112,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     cp = sub.add_parser("compare", help="time to a target loss, system by system")
     _common(cp)
     cp.add_argument("--systems", help="comma-separated, e.g. static,symi,lrmoe@0.5 (overrides compare.systems)")
+    cp.add_argument("--out", help="output folder (default runs/compare); a used one needs --resume or --overwrite")
     cp.add_argument("--resume", action="store_true",
                     help="keep the systems whose runs in --out finished with the same config; run the rest")
     cp.set_defaults(fn=cmd_compare)
@@ -141,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
             if getattr(args, name, None) is not None:
                 require_int(f"--{name.replace('_', '-')}", getattr(args, name), least)
         args.fn(args)
-    except (ConfigError, DataError) as e:
+    except RankError as e:  # reported by a rank
+        print(f"lrmoe: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"lrmoe: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

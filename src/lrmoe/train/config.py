@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from lrmoe.config import BackwardConfig, ClusterBudget, is_int_at_least
+from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig, is_int_at_least
 from lrmoe.models import ModelConfig
 from lrmoe.systems import SYSTEMS, SystemName, names_where, spec_of
 from lrmoe.systems import parse_system_name as _parse_system_name
@@ -175,8 +175,50 @@ def from_dict(raw: dict) -> RunConfig:
                      _table(raw, "compare", CompareConfig))
 
 
-def load(path: str | Path) -> RunConfig:
-    """A validated config from a TOML file; a missing or malformed file is a ConfigError too."""
+def _keys_of(path: list[str]) -> set[str] | None:
+    """The keys the table at ``path`` takes (None: not a table of the config)."""
+    tables = {("train",): TrainConfig, ("backward",): BackwardConfig, ("budget",): ClusterBudget,
+              ("compare",): CompareConfig, ("model", "moe"): MoEConfig}
+    if tuple(path) == ("model",):
+        return {f.name for f in fields(ModelConfig)} | {"preset"}
+    cls = tables.get(tuple(path))
+    return None if cls is None else {f.name for f in fields(cls)}
+
+
+def apply_sets(raw: dict, sets: list[str] | tuple[str, ...]) -> dict:
+    """``raw`` (parsed TOML tables) with every ``--set section.key=value`` applied, in order.
+    A value is parsed as a TOML value (``3``, ``1e-3``, ``true``, ``"text"``, ``["a", "b"]``);
+    a bare word that is not TOML is a string (``train.device=cpu``). An unknown table or key is a
+    ConfigError; the values are validated with the rest of the config by :func:`from_dict`."""
+    for item in sets:
+        key, eq, text = item.partition("=")
+        path = key.strip().split(".")
+        if not eq or len(path) < 2 or not all(path):
+            raise ConfigError(f"--set {item!r} is invalid: expected section.key=value (e.g. train.steps=3)")
+        table_path, name = path[:-1], path[-1]
+        known = _keys_of(table_path)
+        if known is None:
+            raise ConfigError(f"--set {item!r}: no table [{'.'.join(table_path)}]: expected train, backward, "
+                              f"budget, compare, model or model.moe")
+        if name not in known or (table_path == ["model"] and name == "moe"):
+            raise ConfigError(f"--set {item!r}: unknown key {name!r} in [{'.'.join(table_path)}]: "
+                              f"expected one of {sorted(known - {'moe'})}")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        if isinstance(value, dict):
+            raise ConfigError(f"--set {item!r} is invalid: expected a value, not a table")
+        table = raw
+        for part in table_path:
+            table = table.setdefault(part, {})
+        table[name] = value
+    return raw
+
+
+def load(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A validated config from a TOML file with ``--set`` overrides (:func:`apply_sets`)
+    applied; a missing or malformed file is a ConfigError too."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
@@ -184,7 +226,7 @@ def load(path: str | Path) -> RunConfig:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-    return from_dict(raw)
+    return from_dict(apply_sets(raw, sets))
 
 
 def dump_toml(d: dict) -> str:

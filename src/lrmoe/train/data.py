@@ -117,16 +117,29 @@ class TokenData:
         return float(-np.log(p[self.val]).mean())
 
 
+def check_fits(data: TokenData, seq_len: int, batch: int, dp_size: int) -> int:
+    """The training split's number of windows, after checking that the training and the
+    validation split each hold one global batch (``batch`` sequences × ``dp_size`` replicas);
+    a DataError says by how much they fall short. The launcher runs it before any rank starts."""
+    per = batch * dp_size
+    n_train = (len(data.train) - 1) // seq_len
+    n_val = (len(data.val) - 1) // seq_len
+    for split, n in (("training", n_train), ("validation", n_val)):
+        if n < per:
+            raise DataError(f"the corpus is too small: its {split} split has {n} windows of {seq_len} tokens, "
+                            f"fewer than one global batch of {per} (train.batch={batch} x {dp_size} data-parallel "
+                            f"replicas); use more text, a smaller train.batch or model.seq_len"
+                            + (", or a larger train.val_fraction" if split == "validation" else ""))
+    return n_train
+
+
 class Batches:
     """Packed windows of ``seq_len + 1`` tokens: inputs and next-token targets."""
 
     def __init__(self, data: TokenData, seq_len: int, batch: int, dp_rank: int, dp_size: int, seed: int) -> None:
         self.data, self.seq_len, self.batch = data, seq_len, batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        n_windows = (len(data.train) - 1) // seq_len
-        if n_windows < batch * dp_size:
-            raise DataError(f"the training split has {n_windows} windows of {seq_len} tokens, fewer than "
-                            f"one global batch ({batch} x {dp_size})")
+        n_windows = check_fits(data, seq_len, batch, dp_size)
         self.order = np.random.default_rng(seed).permutation(n_windows)
 
     def _windows(self, source: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

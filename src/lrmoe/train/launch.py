@@ -1,36 +1,160 @@
-"""Starting the ranks of one run: ``torch.distributed.run`` over :mod:`lrmoe.train.worker`, with
-the resolved config written next to the results so the run can be repeated exactly."""
+"""Starting the ranks of one run: ``torch.distributed.run`` over :mod:`lrmoe.train.worker`.
+
+Before any rank starts, :func:`preflight` checks what can be checked in the launcher (the corpus
+holds one global batch). The resolved config travels to the ranks through a temporary file;
+rank 0 writes it to ``out/config.toml`` only once the run has started (a resume that fails
+changes nothing in ``out``). A rank that meets a user error (config, data, checkpoint) writes
+its one-line message to an error file and exits with :data:`USER_ERROR_EXIT`; the launcher then
+stops the other ranks, swallows torchrun's report and raises :class:`RankError` with that line.
+"""
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
-from lrmoe.train.config import RunConfig, dump_toml
+from lrmoe.train.config import ConfigError, RunConfig, dump_toml
+from lrmoe.train.data import TokenData, check_fits
+
+USER_ERROR_EXIT = 3  # a rank's exit status after it wrote a user error to the error file
+RUN_FILES = ("config.toml", "metrics.jsonl", "routing.npz", "summary.json", "results.json", "report.md")
+
+
+class RankError(ValueError):
+    """A user error a rank reported (bad data, an unreadable or unfitting checkpoint, ...);
+    ``exit_code`` is 2 for user errors, 1 for a run stopped on purpose (``on_nonfinite=stop``)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def write_error(path: Path, message: str, exit_code: int = 2) -> None:
+    """A rank's report of a user error, read back by :func:`launch`."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"message": message, "exit": exit_code}))
+    os.replace(tmp, path)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """What the launcher can check before any rank starts: the corpus (tokenized once here and
+    cached for the ranks) holds one global batch in its training and validation splits."""
+    t = cfg.train
+    data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
+    check_fits(data, cfg.model.seq_len, t.batch, t.nproc // (t.ep_size or t.nproc))
+
+
+def is_run_folder(folder: Path) -> bool:
+    """``folder`` holds the outputs of an ``lrmoe train`` run (or a compare's system run)."""
+    return any((folder / name).exists() for name in ("config.toml", "metrics.jsonl", "ckpt"))
+
+
+def clear_outputs(out: Path) -> None:
+    """Remove what earlier runs wrote in ``out``: run files, checkpoints, a comparison's
+    per-system run folders, results, report and plots. Anything else stays."""
+    if not out.is_dir():
+        return
+    compare_folder = (out / "results.json").exists() or any(p.is_dir() and is_run_folder(p) for p in out.iterdir())
+    for p in out.iterdir():
+        if p.is_dir() and p.name == "ckpt":
+            shutil.rmtree(p)
+        elif p.is_dir() and is_run_folder(p):
+            clear_outputs(p)
+            if not any(p.iterdir()):
+                p.rmdir()
+        elif p.is_file() and (p.name in RUN_FILES or (compare_folder and p.suffix == ".png")):
+            p.unlink()
+
+
+def check_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse (ConfigError) an ``--out`` that holds something, unless the run resumes there or
+    replaces it; with ``overwrite``, earlier outputs are removed (:func:`clear_outputs`)."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other: continue the run in --out or replace it")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (resume or overwrite):
+        raise ConfigError(f"--out {out} is not empty: pass --resume to continue its run or --overwrite to "
+                          f"replace it")
+    if overwrite:
+        clear_outputs(out)
+
+
+def _run_ranks(cmd: list[str], env: dict, error_path: Path) -> int:
+    """Run torchrun, passing its stderr through as it comes; once a rank has reported a user
+    error, stop the run and swallow the rest (torchrun's report of the failed ranks)."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    swallow = threading.Event()
+
+    def forward() -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := os.read(proc.stderr.fileno(), 65536):
+            if not swallow.is_set():
+                sys.stderr.write(decoder.decode(chunk))
+                sys.stderr.flush()
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    try:
+        while proc.poll() is None:
+            if error_path.exists():
+                swallow.set()
+                try:  # torchrun stops the other ranks itself once one has exited with an error
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                break
+            time.sleep(0.1)
+        proc.wait()
+    except BaseException:
+        proc.terminate()
+        proc.wait()
+        raise
+    finally:
+        thread.join(timeout=5)
+    return proc.returncode
 
 
 def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | None = None,
            stop_at: float | None = None, eval_at: tuple[int, ...] = (), max_restarts: int = 0) -> dict:
-    """Write the resolved config to ``out/config.toml`` and run its ranks; returns the summary."""
+    """Run the ranks of ``cfg`` into ``out``; returns the summary. A fresh run (no ``resume``)
+    first removes earlier outputs in ``out`` (:func:`clear_outputs`; the command line refuses a
+    used ``--out`` unless ``--overwrite``). A user error in a rank raises :class:`RankError`."""
+    out = Path(out)
+    if not resume:
+        clear_outputs(out)
     out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.toml"
-    config_path.write_text(dump_toml(cfg.to_dict()))
-    worker = ["--config", str(config_path), "--out", str(out)]
-    if resume:
-        worker.append("--resume")
-    if max_steps:
-        worker += ["--max-steps", str(max_steps)]
-    if stop_at is not None:
-        worker += ["--stop-at", repr(stop_at)]
-    if eval_at:
-        worker += ["--eval-at", *map(str, eval_at)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.train.nproc}",
-           f"--max-restarts={max_restarts}", "-m", "lrmoe.train.worker", *worker]
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode:
-        raise SystemExit(f"lrmoe: training ranks failed (exit {proc.returncode}); see the log above")
+    with tempfile.TemporaryDirectory(prefix="lrmoe-launch-") as tmp:
+        config_path, error_path = Path(tmp) / "config.toml", Path(tmp) / "error.json"
+        config_path.write_text(dump_toml(cfg.to_dict()))
+        worker = ["--config", str(config_path), "--out", str(out), "--error-file", str(error_path)]
+        if resume:
+            worker.append("--resume")
+        if max_steps:
+            worker += ["--max-steps", str(max_steps)]
+        if stop_at is not None:
+            worker += ["--stop-at", repr(stop_at)]
+        if eval_at:
+            worker += ["--eval-at", *map(str, eval_at)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.train.nproc}",
+               f"--max-restarts={max_restarts}", "-m", "lrmoe.train.worker", *worker]
+        code = _run_ranks(cmd, env, error_path)
+        if error_path.exists():
+            report = json.loads(error_path.read_text())
+            raise RankError(report["message"], report.get("exit", 2))
+    if code:
+        raise SystemExit(f"lrmoe: training ranks failed (exit {code}); see the log above")
     return json.loads((out / "summary.json").read_text())

@@ -1,16 +1,17 @@
 """The training loop of one rank: expert parallelism inside data parallelism.
 
 Groups and gradient reduction: :mod:`lrmoe.train.groups`; the model: :mod:`lrmoe.train.build`;
-what each step records (``metrics.jsonl``): :mod:`lrmoe.train.metrics`. ``routing.npz`` holds
-``counts`` (steps × MoE layers × experts), the global routing counts of every step, as traces
-for the simulator.
+what each step records (``metrics.jsonl``, ``summary.json``): :mod:`lrmoe.train.metrics`.
+``routing.npz`` holds ``counts`` (steps × MoE layers × experts), the global routing counts of
+every step, as traces for the simulator. Rank 0 writes the resolved config to ``config.toml``
+once every rank has started (or resumed) the run: a resume that fails leaves ``out`` as it was.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,13 +23,18 @@ import torch.distributed as dist
 from lrmoe.models import MoETransformer
 from lrmoe.train import checkpoint
 from lrmoe.train.build import build_model
-from lrmoe.train.config import RunConfig, TrainConfig
+from lrmoe.train.config import RunConfig, TrainConfig, dump_toml
 from lrmoe.train.data import Batches, TokenData
+from lrmoe.train.files import atomic_write
 from lrmoe.train.groups import Groups, all_reduce, reduce_gradients, train_device
-from lrmoe.train.metrics import Progress, step_metrics
+from lrmoe.train.metrics import Progress, grad_norm, step_metrics, val_entry
 
 # Groups and reduce_gradients stay importable from here, where they lived before the split
-__all__ = ["Groups", "evaluate", "reduce_gradients", "train"]
+__all__ = ["Groups", "PeerRankError", "evaluate", "reduce_gradients", "train"]
+
+
+class PeerRankError(RuntimeError):
+    """Another rank could not start or resume the run; that rank reports why."""
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -65,6 +71,51 @@ def _end_moe_step(model: MoETransformer, groups: Groups, t: TrainConfig) -> floa
     return placement_s
 
 
+def _mismatch(e: Exception) -> str:
+    """The first difference a failed ``load_state_dict`` names, in a few words."""
+    text = " ".join(str(e).split())
+    m = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from checkpoint, "
+                  r"the shape in current model is torch.Size\((\[.*?\])\)", text)
+    if m:
+        return f"{m[1]} is {m[2]} there, {m[3]} here"
+    return text[:200]
+
+
+def _start(cfg: RunConfig, out: Path, resume: bool, model: MoETransformer, opt: torch.optim.Optimizer,
+           groups: Groups) -> tuple[int, dict]:
+    """(the step to start from, the run history): from the last good checkpoint with ``resume``.
+    Every rank agrees that it could start before rank 0 writes ``config.toml`` and trims
+    ``metrics.jsonl`` to the checkpoint; a checkpoint that exists but does not fit this run is a
+    CheckpointError."""
+    start, history = 0, {"moe_time_s": 0.0, "wall_s": 0.0, "val": [], "routing": []}
+    error = None
+    if resume:
+        try:
+            state = checkpoint.load_latest(out, groups.rank)
+            if state is not None:
+                try:
+                    start = checkpoint.restore(state, model, opt)
+                except (RuntimeError, KeyError, ValueError) as e:
+                    raise checkpoint.CheckpointError(
+                        f"--resume: the checkpoint of step {state.get('step')} in {out} does not fit this run "
+                        f"({_mismatch(e)}); resume with the config, --nproc and --ep-size it was written with"
+                    ) from None
+                history = {**history, **state["history"]}
+        except checkpoint.CheckpointError as e:
+            error = e
+    ok = all_reduce(torch.tensor([0.0 if error else 1.0]), groups.world_group, dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise PeerRankError("another rank could not resume")
+    history["val"] = [val_entry(v) for v in history["val"]]
+    if groups.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / "config.toml", lambda f: f.write(dump_toml(cfg.to_dict()).encode()))
+        checkpoint.truncate_metrics(out / "metrics.jsonl", start)
+    return start, history
+
+
 def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
           max_steps: int | None = None, stop_at: float | None = None, eval_at: tuple[int, ...] = (),
           after_step: Callable[[int, int], None] | None = None) -> dict:
@@ -84,23 +135,16 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     total_steps = max_steps or t.steps
     lead = groups.rank == 0
-    out.mkdir(parents=True, exist_ok=True)
-
-    start, history = 0, {"moe_time_s": 0.0, "val": [], "routing": []}
-    if resume:
-        state = checkpoint.load_latest(out, groups.rank)
-        if state is not None:
-            start = checkpoint.restore(state, model, opt)
-            history = state["history"]
+    start, history = _start(cfg, out, resume, model, opt, groups)
     metrics_path = out / "metrics.jsonl"
-    if lead:
-        checkpoint.truncate_metrics(metrics_path, start)
-    progress = Progress(total_steps, lead)
+    progress = Progress(total_steps, start, lead)
     eval_steps = set(eval_at)
     summary = {"stopped_at_target": False}
+    t_run, wall_before = time.time(), history["wall_s"]
     for step in range(start, total_steps):
+        lr = _lr(step, t)
         for g in opt.param_groups:
-            g["lr"] = _lr(step, t)
+            g["lr"] = lr
         t0 = time.time()
         ids, tgt = (b.to(device) for b in batches.train_batch(step))
         loss, ce = model.loss(ids, tgt)
@@ -113,8 +157,8 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         if skipped and t.on_nonfinite == "stop":
             raise FloatingPointError(f"non-finite loss or gradient at step {step + 1}; stopping (on_nonfinite=stop)")
         if skipped and lead:
-            print(f"\nstep {step + 1}: non-finite loss or gradient, step skipped (on_nonfinite=skip)",
-                  file=sys.stderr, flush=True)
+            progress.write(f"step {step + 1}: non-finite loss or gradient, step skipped (on_nonfinite=skip)")
+        norm = grad_norm(model, groups)
         if not skipped:
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -126,16 +170,18 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         history["moe_time_s"] += (m["moe_fwd_ms"] + m["moe_bwd_ms"] + m["moe_placement_ms"]) / 1e3
         history["routing"].append(m.pop("_counts").numpy().tolist())
         record = {"step": step + 1, "loss": float(ce_mean), **m, "moe_time_s": history["moe_time_s"],
-                  "tokens_per_s": groups.world * ids.numel() / max(time.time() - t0, 1e-9), "skipped": skipped}
+                  "tokens_per_s": groups.world * ids.numel() / max(time.time() - t0, 1e-9), "lr": lr,
+                  "grad_norm": norm, "skipped": skipped}
         done = step + 1
         if done % t.eval_every == 0 or done in eval_steps or done == total_steps:
             model.eval()
             record["val_loss"] = evaluate(model, batches, t.eval_batches, groups)
             model.train()
-            history["val"].append((done, record["val_loss"], history["moe_time_s"]))
+            history["val"].append({"step": done, "loss": record["val_loss"], "moe_time_s": history["moe_time_s"]})
+        record["wall_s"] = history["wall_s"] = wall_before + time.time() - t_run
         if lead:
             checkpoint.append_jsonl(metrics_path, record)
-            progress.update(done, record["loss"], record["tokens_per_s"], start)
+            progress.update(done, record["loss"], record["tokens_per_s"], lr, record.get("val_loss"))
         reached = stop_at is not None and record.get("val_loss", math.inf) <= stop_at
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == total_steps or reached:
             checkpoint.save(out, groups.rank, done, model, opt, history, world_group)
@@ -144,10 +190,11 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
             break
         if after_step is not None:
             after_step(done, groups.rank)
+    progress.close()
     if lead:
         np.savez_compressed(out / "routing.npz", counts=np.asarray(history["routing"], dtype=np.float32))
     summary.update(steps=len(history["routing"]), val=history["val"], moe_time_s=history["moe_time_s"],
-                   unigram_loss=data.unigram_loss())
+                   wall_s=history["wall_s"], unigram_loss=data.unigram_loss())
     if lead:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -17,19 +17,28 @@
 | ``peak_expert_side_bytes`` | max over layers and ranks |
 | ``placement_bytes`` | expert parameter bytes moved this step (replicas, shadows, assembled slices), all ranks |
 | ``a2a_inter_bytes`` | the part of ``a2a_bytes`` that crossed nodes (only with ``[budget] ranks_per_node``) |
-| ``tokens_per_s`` | training tokens per second, all ranks |
+| ``tokens_per_s`` | training tokens per second, all ranks (this step) |
+| ``lr`` | learning rate of this step (warmup, then cosine decay) |
+| ``grad_norm`` | L2 norm of the whole model's reduced gradient before the optimizer step (every expert once) |
+| ``wall_s`` | wall-clock seconds of training since step 1, across resumes (model building excluded) |
 | ``skipped`` | the step was skipped for a non-finite loss or gradient |
+
+``summary.json`` (rank 0, at the end): ``steps`` run, ``val`` (one ``{"step", "loss",
+"moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``unigram_loss`` (the corpus's
+context-free loss), ``stopped_at_target``.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from lrmoe.models import MoETransformer
 from lrmoe.train.groups import Groups, all_reduce
@@ -71,21 +80,61 @@ def read_metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def grad_norm(model: MoETransformer, groups: Groups) -> float:
+    """L2 norm of the reduced gradient of the whole model: replicated parameters once, and every
+    expert once (its owner's or its shards' gradients summed over the expert-parallel group;
+    the data-parallel replicas hold the same)."""
+    experts = {id(p) for layer in model.moe_layers for p in layer.experts.parameters()}
+    squares: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for p in model.parameters():
+        if p.grad is not None:
+            squares[id(p) in experts].append(p.grad.detach().float().square().sum())
+
+    def total(xs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(xs).sum().double().cpu().reshape(1) if xs else torch.zeros(1, dtype=torch.float64)
+
+    expert_sq = all_reduce(total(squares[True]), groups.ep_group)
+    return math.sqrt(float(total(squares[False])) + float(expert_sq))
+
+
+def val_entry(v) -> dict:
+    """One evaluation of ``summary.json["val"]``; checkpoints of earlier versions hold
+    (step, loss, moe_time_s) triples."""
+    return v if isinstance(v, dict) else {"step": v[0], "loss": v[1], "moe_time_s": v[2]}
+
+
 class Progress:
-    """Progress on rank 0: loss, tokens/s, ETA — one rewritten line on a terminal, a line every
-    tenth of the run otherwise (logs stay readable)."""
+    """Progress on rank 0 through ``tqdm``: steps, smoothed step rate and ETA, loss, the last
+    validation loss, learning rate and smoothed tokens/s. On a terminal one bar rewritten in
+    place; otherwise (a log file) the bar's text as a line every tenth of the run."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.t0 = total, enabled, time.time()
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
         self.tty = sys.stderr.isatty()
+        self.tok_s: float | None = None
+        self.val: float | None = None
+        self.bar = tqdm(total=total, initial=start, unit="step", smoothing=0.1, dynamic_ncols=True,
+                        file=sys.stderr if self.tty else io.StringIO(), disable=not enabled, leave=True)
 
-    def update(self, step: int, loss: float, tok_s: float, start: int) -> None:
-        if not self.enabled or not (self.tty or step == self.total or step % max(self.total // 10, 1) == 0):
+    def update(self, step: int, loss: float, tok_s: float, lr: float, val_loss: float | None = None) -> None:
+        if not self.enabled:
             return
-        eta = (time.time() - self.t0) / max(step - start, 1) * (self.total - step)
-        bar = "#" * int(24 * step / self.total)
-        line = f"[{bar:<24}] {step}/{self.total} loss {loss:.3f} {tok_s:,.0f} tok/s ETA {eta:4.0f}s"
-        if self.tty:
-            print("\r" + line, end="\n" if step == self.total else "", file=sys.stderr, flush=True)
+        self.tok_s = tok_s if self.tok_s is None else 0.9 * self.tok_s + 0.1 * tok_s
+        if val_loss is not None:
+            self.val = val_loss
+        post = {"loss": f"{loss:.3f}", **({"val": f"{self.val:.3f}"} if self.val is not None else {}),
+                "lr": f"{lr:.2e}", "tok/s": f"{self.tok_s:,.0f}"}
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(step - self.bar.n)
+        if not self.tty and (step == self.total or step % max(self.total // 10, 1) == 0):
+            print(str(self.bar), file=sys.stderr, flush=True)
+
+    def write(self, message: str) -> None:
+        """A message that does not break the bar."""
+        if self.tty and self.enabled:
+            self.bar.write(message, file=sys.stderr)
         else:
-            print(line, file=sys.stderr, flush=True)
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,19 +1,29 @@
 """One rank of ``lrmoe train``, started by torch.distributed.run (see :mod:`lrmoe.train.launch`):
-process-group setup, resume after a restart, and the fault-injection testing hook."""
+process-group setup, resume after a restart, user errors reported to the launcher, and the
+fault-injection testing hook."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from lrmoe.train.config import load
+from lrmoe.train.checkpoint import CheckpointError
+from lrmoe.train.config import ConfigError, load
+from lrmoe.train.data import DataError
 from lrmoe.train.groups import train_device
-from lrmoe.train.loop import train
+from lrmoe.train.launch import USER_ERROR_EXIT, write_error
+from lrmoe.train.loop import PeerRankError, train
+
+# what a rank reports as one line (exit status for the launcher): user errors, and a run stopped
+# on purpose (train.on_nonfinite = "stop")
+REPORTED = ((ConfigError, 2), (DataError, 2), (CheckpointError, 2), (FloatingPointError, 1))
 
 
 def maybe_inject_fault(step: int, rank: int) -> None:
@@ -28,8 +38,25 @@ def maybe_inject_fault(step: int, rank: int) -> None:
 
 
 def main_worker(config_path: str, out: str, resume: bool, max_steps: int | None, stop_at: float | None,
-                eval_at: tuple[int, ...]) -> None:
-    """Entry of a rank launched by torch.distributed.run: joins the world, trains, leaves."""
+                eval_at: tuple[int, ...], error_file: str | None = None) -> None:
+    """Entry of a rank launched by torch.distributed.run: joins the world, trains, leaves. A
+    user error goes to ``error_file`` as one line (the launcher prints it) and ends the rank
+    with :data:`USER_ERROR_EXIT`; a rank that stops because another failed exits the same way."""
+    try:
+        _join_and_train(config_path, out, resume, max_steps, stop_at, eval_at)
+    except PeerRankError:  # the failing rank reports; give it the time to write before torchrun stops it
+        time.sleep(2)
+        sys.exit(USER_ERROR_EXIT)
+    except tuple(cls for cls, _ in REPORTED) as e:
+        if error_file is None:
+            raise
+        code = next(code for cls, code in REPORTED if isinstance(e, cls))
+        write_error(Path(error_file), " ".join(str(e).split()), code)
+        sys.exit(USER_ERROR_EXIT)
+
+
+def _join_and_train(config_path: str, out: str, resume: bool, max_steps: int | None, stop_at: float | None,
+                    eval_at: tuple[int, ...]) -> None:
     cfg = load(config_path)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
@@ -66,8 +93,9 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--stop-at", type=float)
     ap.add_argument("--eval-at", type=int, nargs="*", default=[])
+    ap.add_argument("--error-file")
     a = ap.parse_args()
-    main_worker(a.config, a.out, a.resume, a.max_steps, a.stop_at, tuple(a.eval_at))
+    main_worker(a.config, a.out, a.resume, a.max_steps, a.stop_at, tuple(a.eval_at), a.error_file)
 
 
 if __name__ == "__main__":
