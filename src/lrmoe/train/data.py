@@ -128,7 +128,8 @@ def check_fits(data: TokenData, seq_len: int, batch: int, dp_size: int) -> int:
         if n < per:
             raise DataError(f"the corpus is too small: its {split} split has {n} windows of {seq_len} tokens, "
                             f"fewer than one global batch of {per} (train.batch={batch} x {dp_size} data-parallel "
-                            f"replicas); use more text, a smaller train.batch or model.seq_len"
+                            f"replica{'s' if dp_size != 1 else ''}); use more text, a smaller train.batch or "
+                            f"model.seq_len"
                             + (", or a larger train.val_fraction" if split == "validation" else ""))
     return n_train
 
