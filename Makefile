@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/lrmoe compare --config configs/demo.toml --out runs/demo
+	$(BIN)/lrmoe compare --config configs/demo.toml --out runs/demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -3,8 +3,9 @@
     python benchmarks/bench_backward.py [--world 4] [--tokens 2048 --dim 256 --ffn 512
                                          --experts 16 --top-k 4] [--repeats 7] [--out FILE]
 
-Rows: static, static-recompute, lrmoe@1, lrmoe@0.5, lrmoe@0.25, masked@0.25, random@0.25 (the
-number is the quota ratio). Figures (medians over interleaved rounds, one thread per process):
+Rows: static, static-recompute, lrmoe@1, lrmoe@0.5, lrmoe@0.25, masked@0.25, random@0.25,
+sampled@0.25, local-sampled@0.25 and @0.9 (the number is the quota ratio; ``lrmoe@`` is the
+paper's top-q by LRM score). Figures (medians over interleaved rounds, one thread per process):
 fwd_ms, bwd_ms (wall time around forward and backward, selection included), select_ms
 (scoring + selection exchange + packing), bwd_gemm_rows. With ``--world N`` it runs N gloo
 ranks of ``--tokens`` tokens each and adds bwd_a2a_bytes (max over ranks); times are then the
@@ -29,6 +30,9 @@ ROWS = {
     "lrmoe@0.25": ("lrmoe", BackwardConfig(ratio=0.25)),
     "masked@0.25": ("masked", BackwardConfig(ratio=0.25)),
     "random@0.25": ("lrmoe", BackwardConfig(selection="random", ratio=0.25)),
+    "sampled@0.25": ("lrmoe", BackwardConfig(selection="sampled", ratio=0.25)),
+    "local-sampled@0.25": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=0.25)),
+    "local-sampled@0.9": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=0.9)),
 }
 STAT_FIGURES = ("select_ms", "bwd_gemm_rows", "bwd_a2a_bytes")
 

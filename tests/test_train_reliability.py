@@ -56,7 +56,7 @@ def test_every_field_is_validated(cls, base, field, value):
 @pytest.mark.parametrize("kwargs,field", [
     ({"system": "fastest"}, "system"), ({"capacity_factor": 0}, "capacity_factor"),
     ({"replan_interval": 0}, "replan_interval"), ({"load_ema": 1.0}, "load_ema"),
-    ({"system": "static", "budget": ClusterBudget(10**6)}, "budget"),
+    ({"system": "static", "budget": ClusterBudget(10)}, "budget"),  # cannot hold its own experts
     ({"system": "topoep"}, "ranks_per_node"),
     ({"system": "static", "routing_trace": torch.ones(2, 4)}, "routing_trace"),
 ])

@@ -28,8 +28,9 @@ from lrmoe.train.launch import launch
 from lrmoe.train.metrics import read_metrics
 from lrmoe.train.report import plots, report
 
-RESULT_KEYS = ("steps_to_target", "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes",
-               "a2a_bytes", "placement_bytes")
+RESULT_KEYS = ("status", "steps_to_target", "moe_time_to_target_s", "final_val_loss", "steps_run", "bwd_a2a_bytes",
+               "peak_expert_side_bytes", "a2a_bytes", "placement_bytes", "mean_kept_ratio", "replica_slots",
+               "memory_cap_bytes")
 
 
 def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunConfig:
@@ -59,12 +60,20 @@ def finished(cfg: RunConfig, folder: Path) -> bool:
     return summary.exists() and config.exists() and config.read_text() == dump_toml(cfg.to_dict())
 
 
-def summarise(name: str, folder: Path, target: float) -> dict:
-    """One system's results from its ``metrics.jsonl``: when it reached ``target``, and totals."""
-    rows = read_metrics(folder)
+def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int] | None = None) -> dict:
+    """One system's results from its ``metrics.jsonl``: when it reached ``target`` (``status``
+    ``reached``, ``never`` within its steps, or ``oom``: a call did not fit the memory cap), and totals."""
+    records = read_metrics(folder)
+    oom = next((r for r in records if "oom" in r), None)
+    rows = [r for r in records if "oom" not in r]
     evals = [r for r in rows if "val_loss" in r]
     hit = next((r for r in evals if r["val_loss"] <= target), None)
     return {
+        "status": "reached" if hit else ("oom" if oom else "never"),
+        "oom_step": oom["step"] if oom else None,
+        "oom": oom["oom"] if oom else None,
+        "replica_slots": float(np.mean([r.get("replica_slots", 0) for r in rows])) if rows else None,
+        "memory_cap_bytes": memory_cap,
         "steps_to_target": hit["step"] if hit else None,
         "moe_time_to_target_s": hit["moe_time_s"] if hit else None,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
@@ -100,25 +109,32 @@ def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: boo
     for name in systems:
         system_config(cfg, name)  # validate every name before running anything
     steps, target_step, max_steps = budget_steps(cfg)
-    ref = REFERENCE_SYSTEM
-    print(f"lrmoe compare: {', '.join(systems)}; {ref} runs {steps} steps, target at step {target_step}, "
-          f"the others up to {max_steps}", flush=True)
+    ref = cfg.compare.reference
+    cap = cfg.budget.memory_bytes if cfg.budget is not None else None
+    print(f"lrmoe compare: {', '.join(systems)}; {ref} runs {steps} steps"
+          f"{' without the memory cap' if cap is not None else ''}, target at step {target_step}, "
+          f"the others up to {max_steps}" + (f" under a cap of {cap} bytes per rank" if cap is not None else ""),
+          flush=True)
+    uncapped = replace(cfg, budget=None if cfg.budget is None else replace(cfg.budget, memory_bytes=None))
+    # the target is the model quality wanted: the reference's run without the cap; under a cap
+    # every listed system runs capped, the reference too if it is listed
+    ref_run = ref if cap is None else f"{ref}-uncapped"
 
-    def run(name: str, **kw) -> dict:
-        run_cfg = system_config(cfg, name, trace=out / ref / "routing.npz")
-        if resume and finished(run_cfg, out / name):
-            print(f"-- {name}: finished earlier, kept (--resume)", flush=True)
-            return json.loads((out / name / "summary.json").read_text())
-        print(f"-- {name}", flush=True)
-        return launch(run_cfg, out / name, **kw)
+    def run(name: str, folder: str, base: RunConfig, **kw) -> dict:
+        run_cfg = system_config(base, name, trace=out / ref_run / "routing.npz")
+        if resume and finished(run_cfg, out / folder):
+            print(f"-- {folder}: finished earlier, kept (--resume)", flush=True)
+            return json.loads((out / folder / "summary.json").read_text())
+        print(f"-- {folder}", flush=True)
+        return launch(run_cfg, out / folder, **kw)
 
-    summary = run(ref, eval_at=(target_step,))
-    target = cfg.compare.target_loss or target_from_reference(out / ref, target_step)
-    for name in systems:
-        if name != ref:
-            run(name, max_steps=max_steps, stop_at=target)
-    names = [ref] + [n for n in systems if n != ref]
-    results = {name: summarise(name, out / name, target) for name in names}
+    summary = run(ref, ref_run, uncapped, eval_at=(target_step,))
+    target = cfg.compare.target_loss or target_from_reference(out / ref_run, target_step)
+    others = [n for n in systems if n != ref_run and not (cap is None and n == ref)]
+    for name in others:
+        run(name, name, cfg, max_steps=max_steps, stop_at=target)
+    names = [ref_run, *others]
+    results = {name: summarise(name, out / name, target, None if name == ref_run else cap) for name in names}
     doc = {"target_loss": target, "unigram_loss": summary["unigram_loss"],
            "systems": {n: {k: r[k] for k in RESULT_KEYS} for n, r in results.items()},
            "details": results}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig, is_int_at_least
 from lrmoe.models import ModelConfig
-from lrmoe.systems import SYSTEMS, SystemName, names_where, spec_of
+from lrmoe.systems import REFERENCE_SYSTEM, SYSTEMS, SystemName, names_where, spec_of
 from lrmoe.systems import parse_system_name as _parse_system_name
 from lrmoe.train.data import DEFAULT_CORPUS
 
@@ -104,9 +104,10 @@ class CompareConfig:
     target_fraction: float = 0.8  # static's validation loss at this share of its steps is the target
     budget_factor: float = 1.5  # the others may run this many times static's steps
     target_loss: float | None = None  # a given target instead
+    reference: str = REFERENCE_SYSTEM  # the target's run: this system, without the memory cap
 
     def __post_init__(self) -> None:
-        for s in self.systems:
+        for s in (*self.systems, self.reference):
             try:
                 parse_system_name(s)
             except ConfigError as e:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.models import MoETransformer
 from lrmoe.train import checkpoint
 from lrmoe.train.build import build_model
@@ -139,7 +140,7 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
     metrics_path = out / "metrics.jsonl"
     progress = Progress(total_steps, start, lead)
     eval_steps = set(eval_at)
-    summary = {"stopped_at_target": False}
+    summary = {"stopped_at_target": False, "status": "done"}
     t_run, wall_before = time.time(), history["wall_s"]
     for step in range(start, total_steps):
         lr = _lr(step, t)
@@ -147,7 +148,14 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
             g["lr"] = lr
         t0 = time.time()
         ids, tgt = (b.to(device) for b in batches.train_batch(step))
-        loss, ce = model.loss(ids, tgt)
+        try:
+            loss, ce = model.loss(ids, tgt)
+        except MemoryBudgetExceeded as e:  # raised alike on every rank, before any row moved
+            summary.update(status="oom", oom_step=step + 1, oom=str(e))
+            if lead:
+                checkpoint.append_jsonl(metrics_path, {"step": step + 1, "oom": str(e)})
+                progress.write(f"step {step + 1}: out of the memory cap, run stopped: {e}")
+            break
         loss.backward()
         reduce_gradients(model, groups)
         finite = torch.tensor([float(torch.isfinite(loss).item()
@@ -186,7 +194,7 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == total_steps or reached:
             checkpoint.save(out, groups.rank, done, model, opt, history, world_group)
         if reached:
-            summary["stopped_at_target"] = True
+            summary.update(stopped_at_target=True, status="reached")
             break
         if after_step is not None:
             after_step(done, groups.rank)

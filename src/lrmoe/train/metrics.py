@@ -22,10 +22,13 @@
 | ``grad_norm`` | L2 norm of the whole model's reduced gradient before the optimizer step (every expert once) |
 | ``wall_s`` | wall-clock seconds of training since step 1, across resumes (model building excluded) |
 | ``skipped`` | the step was skipped for a non-finite loss or gradient |
+| ``replica_slots`` | expert copies held per rank, mean over layers and ranks |
 
 ``summary.json`` (rank 0, at the end): ``steps`` run, ``val`` (one ``{"step", "loss",
 "moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``unigram_loss`` (the corpus's
-context-free loss), ``stopped_at_target``.
+context-free loss), ``stopped_at_target``, ``status`` (``done``: ran its steps, ``reached``: stopped
+at the target, ``oom``: a layer call did not fit the memory cap — then ``oom_step`` and the
+message ``oom``; the metrics' last line is ``{"step", "oom"}``).
 """
 
 from __future__ import annotations
@@ -70,8 +73,15 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
         "kept_ratio": float(kept.sum() / counts.sum().clamp(min=1)),
         "load_min": counts.min(1).values.tolist(), "load_max": counts.max(1).values.tolist(),
         "load_cv": (counts.std(1, unbiased=False) / mean).tolist(),
+        "replica_slots": _mean_over_ranks([s.get("replica_slots", 0) for s in stats], groups),
         "_counts": counts,
     }
+
+
+def _mean_over_ranks(values: list[float], groups: Groups) -> float:
+    """Mean over layers of this rank's values, then over the ranks."""
+    t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64)
+    return float(all_reduce(t, groups.world_group)) / groups.world
 
 
 def read_metrics(folder: Path) -> list[dict]:

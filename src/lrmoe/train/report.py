@@ -16,19 +16,25 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
         "# lrmoe compare", "",
         f"Target validation loss: **{target:.4f}** (unigram loss of the corpus: {unigram:.4f}; "
         f"the target is {100 * (1 - target / unigram):.1f}% below it).", "",
-        "| system | steps to target | MoE time to target (s) | final val loss | a2a bytes | bwd a2a bytes | "
-        "peak expert-side bytes | mean kept ratio | placement bytes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | steps to target | MoE time to target (s) | final val loss | steps run | a2a bytes / step | "
+        "bwd a2a bytes / step | peak expert-side bytes | memory cap | replica slots | mean kept ratio | "
+        "placement bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(v, spec):
         return "never" if v is None else format(v, spec)
 
     for name, r in systems.items():
+        steps = max(r["steps_run"], 1)
+        cap = r.get("memory_cap_bytes")
+        cap = max(cap) if isinstance(cap, list) else cap
+        to_target = f"oom at step {r['oom_step']}" if r.get("status") == "oom" else fmt(r["steps_to_target"], "d")
         lines.append(
-            f"| {name} | {fmt(r['steps_to_target'], 'd')} | {fmt(r['moe_time_to_target_s'], '.2f')} | "
-            f"{fmt(r['final_val_loss'], '.4f')} | {r['a2a_bytes']:,} | {r['bwd_a2a_bytes']:,} | "
-            f"{r['peak_expert_side_bytes']:,} | "
+            f"| {name} | {to_target} | {fmt(r['moe_time_to_target_s'], '.2f')} | "
+            f"{fmt(r['final_val_loss'], '.4f')} | {r['steps_run']} | {r['a2a_bytes'] // steps:,} | "
+            f"{r['bwd_a2a_bytes'] // steps:,} | {r['peak_expert_side_bytes']:,} | "
+            f"{'none' if cap is None else format(cap, ',')} | {fmt(r.get('replica_slots'), '.2f')} | "
             f"{fmt(r['mean_kept_ratio'], '.3f')} | {r['placement_bytes']:,} |")
     lines += ["", "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
     text = "\n".join(lines)
