@@ -32,6 +32,7 @@ class RowPlan:
     recv_splits: list[int]  # rows from each source rank
     regroup_idx: torch.Tensor | None  # received order → slot-major order; None when identity
     slot_counts: torch.Tensor  # int64 (L,) rows per local slot, on CPU
+    counts_SL: torch.Tensor | None = None  # int64 (S, L) rows from source s for local slot l, on CPU
 
     @property
     def recv_rows(self) -> int:
@@ -74,7 +75,31 @@ def build_row_plan(
     local = torch.tensor(placement.slots[rank], dtype=torch.long)
     counts_SL = assign_ESR[local, :, rank].t()  # rows from source s for local slot l
     recv_splits = counts_SL.sum(1).tolist()
-    return RowPlan(pair_idx, send_splits, recv_splits, _regroup(counts_SL), counts_SL.sum(0))
+    return RowPlan(pair_idx, send_splits, recv_splits, _regroup(counts_SL), counts_SL.sum(0), counts_SL)
+
+
+def restrict_to_kept(fwd: RowPlan, keep_P: torch.Tensor, group: Group, wire: WireCounter
+                     ) -> tuple[RowPlan, torch.Tensor | None]:
+    """The backward plan of an expert side that kept the forward's x rows: the forward plan
+    restricted to the kept pairs, each computed where the forward computed it (no re-spread).
+
+    Home tells each expert side which of the rows it received are kept: one byte per forward
+    row, through the forward's splits (collective, counted in ``wire``). Returns the plan and
+    the slot-major indices of the kept rows among the forward's received rows (None: all kept).
+    """
+    keep_send = keep_P[fwd.pair_idx]
+    mask = comm.all_to_all(keep_send.to(torch.uint8), fwd.send_splits, fwd.recv_splits, group, wire).cpu().bool()
+    counts_SL = fwd.counts_SL
+    S, L = counts_SL.shape
+    segment = torch.repeat_interleave(torch.arange(S * L), counts_SL.reshape(-1), output_size=len(mask))
+    kept_SL = torch.bincount(segment[mask], minlength=S * L).view(S, L)
+    send_splits = [int(k.sum()) for k in torch.split(keep_send, fwd.send_splits)]
+    plan = RowPlan(fwd.pair_idx[keep_send], send_splits, kept_SL.sum(1).tolist(), _regroup(kept_SL),
+                   kept_SL.sum(0), kept_SL)
+    if bool(mask.all()):
+        return plan, None
+    slot_major = mask if fwd.regroup_idx is None else mask[fwd.regroup_idx]
+    return plan, slot_major.nonzero().squeeze(1)
 
 
 def _regroup(counts_SL: torch.Tensor) -> torch.Tensor | None:

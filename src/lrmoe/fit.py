@@ -9,13 +9,13 @@ what is predicted here is what the layer then measures.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lrmoe import planners
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.meter import RankWork, expert_side_peak
+from lrmoe.meter import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.placement import Placement
 from lrmoe.systems import Assignment, PlacementKind, Planner
 
@@ -51,6 +51,29 @@ class CapFitting:
     def _chunks(self) -> bool:
         """The forward may be chunked: the system keeps no activations to the backward."""
         return not self.spec.saves_activations
+
+    def keep_mode(self, placement: Placement, assign_ESR: torch.Tensor, chunk_rows_R: list[int] | None,
+                  quota_E: torch.Tensor) -> str:
+        """What a compacting backward's expert side keeps from forward to backward, identical on
+        every rank (decided from the plan alone): without a cap the fastest, x and activations
+        (no re-sent x, no recompute); under a cap the richest mode whose predicted peak fits
+        every rank. Kept pairs are then computed where the forward computed them, so rank r's
+        backward rows are at most Σ_e min(its forward rows of e, q_e); x and activations need
+        an unchunked forward."""
+        if self.memory_R is None:
+            return KEEP_X_ACTS
+        rows_ER = assign_ESR.sum(1)
+        fwd_R = rows_ER.sum(0).tolist()
+        bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).tolist()
+        chunk_R = chunk_rows_R or [None] * self.world
+        for mode in KEEP_MODES[:-1]:
+            if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):
+                continue
+            if all(self._peak(replace(self._work(placement, r, int(fwd_R[r]), True, chunk_R[r]),
+                                      bwd_rows=int(bwd_R[r]), keep=mode)) <= self.memory_R[r]
+                   for r in range(self.world)):
+                return mode
+        return KEEP_NOTHING
 
     def _rank_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int]:
         """(chunk rows, predicted peak) of rank r computing ``rows`` rows: all at once where that

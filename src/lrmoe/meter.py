@@ -25,6 +25,11 @@ import torch
 from lrmoe.config import MoEConfig
 from lrmoe.systems import SystemSpec, spec_of
 
+# What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute"):
+KEEP_NOTHING = "nothing"  # home re-sends x of kept pairs; gate, up, silu, h recomputed
+KEEP_X = "x"  # the received x rows: only dy travels, to where the forward computed the pair; recomputed
+KEEP_X_ACTS = "x+acts"  # x and the activations: static's backward on the kept rows, no recompute
+KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
 H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
 GIB = 1 << 30
 
@@ -134,6 +139,7 @@ class RankWork:
     replicas_anywhere: bool = False  # some rank holds a replica: gradients are reduced to owners (laer: always)
     sliced: int = 0  # laer: experts of which this rank holds a 1/world slice (and its gradient)
     backward: bool = True  # False: a forward-only call (nothing kept, no backward)
+    keep: str = KEEP_NOTHING  # a compacting backward's keep mode (KEEP_MODES); other systems: their spec's
 
 
 def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, work: RankWork) -> int:
@@ -153,9 +159,15 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
       chunk's; ‖h‖² (8 bytes a row) for the selective systems;
     - kept to the backward (the system's :class:`~lrmoe.systems.SystemSpec`): systems that save
       activations keep x and the activations (unless the forward was chunked); those that only
-      save rows keep x; the compacting backward (lrmoe) keeps nothing;
-    - backward: dy rows (and, when the backward compacts, the re-sent x rows of kept pairs), the
-      four recomputed activations unless saved, and the replica-gradient send buffer.
+      save rows keep x; the compacting backward (lrmoe) keeps what ``work.keep`` says: nothing,
+      x, or x and the activations (unless the forward was chunked);
+    - backward: a compacting backward that kept x first gathers the kept rows (x, then each
+      saved activation) out of the forward's, dropping each full tensor after its gather
+      (nothing to gather when every row is kept); then dy rows (and, when the backward compacts
+      and kept nothing, the re-sent x rows of kept pairs), the four recomputed activations
+      unless saved, and the replica-gradient send buffer. The one byte per forward row that
+      tells a keep-x expert side which rows are kept is bookkeeping, like the row plans' indices,
+      and not counted.
     """
     spec = spec_of(system)
     bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
@@ -187,20 +199,28 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
     if not work.backward:
         return int(peak)
     now -= h_sq + Rf * row  # ‖h‖² and y went home
-    saved_acts = spec.saves_activations and not chunked
-    if not spec.saves_activations and not chunked:
+    keep = work.keep if spec.compacts else None
+    keeps_x = keep in (KEEP_X, KEEP_X_ACTS)
+    saved_acts = (spec.saves_activations or keep == KEEP_X_ACTS) and not chunked
+    if not saved_acts and not chunked:
         now -= Rf * acts_row
-    if not spec.saves_rows:
+    if not (spec.saves_rows or keeps_x):
         now -= Rf * row
 
     # backward
     Rb = work.bwd_rows
+    acts_rows = Rf
+    if keeps_x and Rb < Rf:  # the kept rows gathered out of the saved ones
+        acts_rows = Rb
+        for size in [row] + ([acts_row // 4] * 4 if saved_acts else []):
+            peak = max(peak, now + Rb * size)
+            now += (Rb - Rf) * size
     receive(Rb)  # dy
-    if spec.compacts:
+    if spec.compacts and not keeps_x:
         receive(Rb)  # x of the kept pairs, re-sent by their home ranks
     peak = max(peak, now + (0 if saved_acts else Rb * acts_row))
     if saved_acts:
-        now -= Rf * acts_row
+        now -= acts_rows * acts_row
     if work.replicas_anywhere:
         now += replicas * bm.slot_params  # replica gradients' send buffer (laer: every assembled copy's)
         peak = max(peak, now)

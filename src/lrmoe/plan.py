@@ -67,6 +67,7 @@ class CallPlan:
     fetch: bool  # the call placed new copies: fetch them before the forward (collective)
     stats: dict = field(default_factory=dict)  # the plan's own figures (shadows, replicas, ...)
     peak_R: list[int] | None = None  # predicted expert-side peak per rank (a capped non-controller system)
+    keep: str | None = None  # a compacting training call: what its expert side keeps (meter.KEEP_MODES)
 
 
 class LayerPlanner(CapFitting):
@@ -281,13 +282,16 @@ class LayerPlanner(CapFitting):
         if self.spec.selective and training:
             kept_capacity_R = self.controller.kept_capacity(placement) if self.controller is not None else None
             quota_E = self.quotas(counts_SE.sum(0), placement, kept_capacity_R)
+        keep = None
+        if self.spec.compacts and training:
+            keep = stats["keep_mode"] = self.keep_mode(placement, assign_ESR, chunk_rows_R, quota_E)
         stats["replica_slots"] = len(placement.slots[self.rank])
         if self.memory_R is not None:
             stats["memory_cap_bytes"] = self.memory_R[self.rank]
         if peak_R is not None:
             stats["predicted_peak_bytes"] = peak_R[self.rank]
         return CallPlan(placement, counts_SE, forward_SE, assign_ESR, chunk_rows_R, kept_capacity_R, quota_E,
-                        fetch, stats, peak_R)
+                        fetch, stats, peak_R, keep)
 
     def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None) -> torch.Tensor:
         """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone."""

@@ -19,8 +19,8 @@ import torch
 from lrmoe import comm, experts, sharding
 from lrmoe.comm import Group, WireCounter
 from lrmoe.config import BackwardConfig
-from lrmoe.dispatch import RowPlan, build_row_plan, to_experts, to_home
-from lrmoe.meter import MemoryMeter, nbytes
+from lrmoe.dispatch import RowPlan, build_row_plan, restrict_to_kept, to_experts, to_home
+from lrmoe.meter import KEEP_X, KEEP_X_ACTS, MemoryMeter, nbytes
 from lrmoe.plan import ADAM_STATES, CallPlan, LayerPlanner
 from lrmoe.replicas import Replicas
 from lrmoe.selection import Selection, lrm_scores, select, squared_norms
@@ -109,7 +109,7 @@ def _plan(call: CallRecord, weights_TK: torch.Tensor, wire: WireCounter) -> None
     quota_E = ctx.planner.forward_quota(counts_SE)
     if quota_E is not None:  # kept: each expert's pairs of highest routing probability
         sel = select(weights_TK.detach().reshape(-1).to(torch.float64), ids_P, counts_SE, quota_E,
-                     BackwardConfig(), ctx.group, wire)
+                     BackwardConfig("lrm"), ctx.group, wire)
         call.forward_keep_P, forward_SE = sel.keep_P, sel.kept_SE
     call.plan = ctx.planner.plan_call(counts_SE, forward_SE, call.training)
     call.stats.update(call.plan.stats)
@@ -169,16 +169,17 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
     out_TD = torch.bmm(weights_TK.unsqueeze(1), y_PD.view(T, K, x_TD.shape[1])).squeeze(1)
 
     # What the expert side keeps for the backward (docs/design.md "Recompute"): a full backward
-    # keeps rows and activations, a recompute backward rows only, a compacting one nothing (home
-    # re-sends the x rows of kept pairs).
+    # keeps rows and activations, a recompute backward rows only, a compacting one what its plan
+    # chose: nothing (home re-sends the x rows of kept pairs), x, or x and the activations.
     if w_gu is not gate_up:  # the concatenated slot weights serve the backward too (counted above)
         call.saved["slot_weights"] = (w_gu, w_down)
-    if spec.saves_activations:
+    keep = call.plan.keep if spec.compacts else None
+    if acts is not None and (spec.saves_activations or keep == KEEP_X_ACTS):
         call.saved.update(rows_RD=rows_RD, acts=acts)
     else:
         if acts is not None:
             meter.drop(*acts.values())
-        if spec.saves_rows:
+        if spec.saves_rows or keep in (KEEP_X, KEEP_X_ACTS):
             call.saved["rows_RD"] = rows_RD
         else:
             meter.drop(rows_RD)
@@ -214,6 +215,25 @@ def _select(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq
                   ctx.group, wire, *call.generators())
 
 
+def _gather_kept(saved: dict, kept_rows: torch.Tensor | None, meter: MemoryMeter) -> None:
+    """Keep-x backward: the kept rows of the saved x (and activations) gathered slot-major, each
+    full tensor dropped after its gather (``kept_rows`` None: every row kept, nothing to do)."""
+    if kept_rows is None:
+        return
+    idx = kept_rows.to(saved["rows_RD"].device)
+    full = saved["rows_RD"]
+    saved["rows_RD"] = full[idx]
+    meter.hold(saved["rows_RD"])
+    meter.drop(full)
+    acts = saved.get("acts")
+    for k in () if acts is None else tuple(acts):
+        full = acts[k]
+        acts[k] = full[idx]
+        meter.hold(acts[k])
+        meter.drop(full)
+    del full
+
+
 def routed_backward(
     call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, weights_TK: torch.Tensor, y_PD: torch.Tensor,
     h_sq_P: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor,
@@ -245,7 +265,10 @@ def routed_backward(
         scale_P = sel.scale_P
         if sel.scale_P is not None:
             factor_P = factor_P * sel.scale_P.to(factor_P.dtype)
-        if spec.compacts:
+        if spec.compacts and "rows_RD" in saved:  # kept pairs computed where their x was kept
+            rows, kept_rows = restrict_to_kept(rows, sel.keep_P, ctx.group, wire)
+            _gather_kept(saved, kept_rows, meter)
+        elif spec.compacts:
             assign_ESR = ctx.planner.assign(sel.kept_SE, plan.placement, plan.kept_capacity_R)
             rows = build_row_plan(ids_P, assign_ESR, plan.placement, ctx.rank, keep_P=sel.keep_P)
         else:
@@ -258,7 +281,7 @@ def routed_backward(
         keep_TK = torch.ones_like(call.ids_TK, dtype=torch.bool) if keep_P is None else keep_P.view(T, K)
     tok_N = rows.pair_idx // K
     dy_ND = g_TD[tok_N].mul_(factor_P[rows.pair_idx].unsqueeze(1))
-    x_ND = x_TD[tok_N] if spec.compacts else None
+    x_ND = x_TD[tok_N] if "rows_RD" not in saved else None
     select_ms = (time.perf_counter() - t_select) * 1e3
 
     dy_RD = to_experts(dy_ND, rows, ctx.group, wire, meter)
