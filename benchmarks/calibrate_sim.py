@@ -70,7 +70,7 @@ def _measure(group, args) -> dict:
     world, system, ratio, T, D, F, E, K, repeats = args
     cfg = MoEConfig(dim=D, ffn_dim=F, num_experts=E, top_k=K)
     torch.manual_seed(0)
-    layer = MoELayer(cfg, system=system, group=group, backward=BackwardConfig(ratio=ratio))
+    layer = MoELayer(cfg, system=system, group=group, backward=BackwardConfig("lrm", ratio=ratio))
     rank = layer.rank
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(T, D, generator=gen)

@@ -57,7 +57,7 @@ def lrmoe_case(group, cfg_kwargs, n_tokens, ratio, system, shape3d=False, empty_
     sd, x, g, keep, quota = clear_problem(cfg, n_tokens, ratio)
     sizes = split_tokens(n_tokens, world, empty_rank)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    layer = MoELayer(cfg, system=system, group=group, backward=BackwardConfig(ratio=ratio))
+    layer = MoELayer(cfg, system=system, group=group, backward=BackwardConfig("lrm", ratio=ratio))
     layer.load_full_state_dict(sd)
     x_local = x[lo:hi].clone().requires_grad_(True)
     inp = x_local.view(1, -1, cfg.dim) if shape3d else x_local
@@ -125,7 +125,7 @@ def lrmoe_counter_case(group, ratio):
         rec = Recorder(mp, rank)
         sd, x, g = make_problem(cfg, 40, 7, "none")
         lo, hi = rank * 40 // world, (rank + 1) * 40 // world
-        layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(ratio=ratio))
+        layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig("lrm", ratio=ratio))
         layer.load_full_state_dict(sd)
         out = layer(x[lo:hi].clone().requires_grad_(True))
         rec.take()
@@ -136,9 +136,12 @@ def lrmoe_counter_case(group, ratio):
         assert s["bwd_a2a_recv_bytes"] == sum(r for _, r in a2a)
         # The expert GEMMs saw exactly the kept rows this rank computed, and nothing else.
         assert all(r == s["bwd_gemm_rows"] for _, r in rows)
-        assert len(rows) == 5 + 3  # gate, up recomputed, dh, dx gate, dx up; three wgrads
-        # Independent byte count: non-finite counts and candidate scores to every peer, the
-        # kept dy and x rows to remote experts, the dx rows of remote kept rows back.
+        # without a cap the expert side keeps x and activations: nothing recomputed, no x re-sent
+        assert s["keep_mode"] == "x+acts"
+        assert len(rows) == 3 + 3  # dh, dx gate, dx up; three wgrads
+        # Independent byte count: non-finite counts and candidate scores to every peer, one
+        # kept-or-not byte per forward row sent away, the kept dy rows to remote experts, the dx
+        # rows of remote kept rows back.
         ids = layer.router(x[lo:hi]).ids_TK.flatten()
         keep = layer.last_kept.flatten()
         owned = set(layer.placement.owned(rank))
@@ -149,8 +152,9 @@ def lrmoe_counter_case(group, ratio):
         kept_remote = sum(1 for e, k in zip(ids.tolist(), keep.tolist()) if k and e not in owned)
         kept_local = int(keep.sum()) - kept_remote
         row = cfg.dim * 4
-        expected = (world - 1) * (cfg.num_experts * 8 + int(cand[rank].sum()) * 8) \
-            + kept_remote * 2 * row + (s["bwd_gemm_rows"] - kept_local) * row
+        remote = sum(1 for e in ids.tolist() if e not in owned)
+        expected = (world - 1) * (cfg.num_experts * 8 + int(cand[rank].sum()) * 8) + remote \
+            + kept_remote * row + (s["bwd_gemm_rows"] - kept_local) * row
         assert s["bwd_a2a_bytes"] == expected, (s["bwd_a2a_bytes"], expected)
         return s["bwd_gemm_rows"], int(s["kept_E"].sum())
     finally:
@@ -296,10 +300,11 @@ def test_bad_backward_config():
 # ------------------------------------------------------------------- non-finite values
 
 
-def test_nonfinite_scores_are_kept_and_reported():
+@pytest.mark.parametrize("selection", ["lrm", "local-sampled", "sampled"])
+def test_nonfinite_scores_are_kept_and_reported(selection):
     cfg = MoEConfig(**QWEN)
     sd, x, g = make_problem(cfg, 24, 5, "none")
-    layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig(ratio=0.1))
+    layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig(selection, ratio=0.1))
     layer.load_full_state_dict(sd)
     g_bad = g.clone()
     g_bad[:6, 0] = float("inf")  # six tokens, twelve pairs with an infinite score

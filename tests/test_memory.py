@@ -33,8 +33,8 @@ def allocator_peak(fn) -> int:
 
 @pytest.mark.parametrize(
     "system,backward",
-    [("static", None), ("static-recompute", None), ("lrmoe", BackwardConfig(ratio=0.25)),
-     ("masked", BackwardConfig(ratio=0.25))],
+    [("static", None), ("static-recompute", None), ("lrmoe", BackwardConfig("lrm", ratio=0.25)),
+     ("masked", BackwardConfig("lrm", ratio=0.25))],
 )
 def test_peak_matches_allocator(system, backward):
     torch.manual_seed(0)

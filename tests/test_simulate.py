@@ -32,7 +32,7 @@ def _layer_peak(group, system, ratio, memory, slots, seed=0):
     budget = ClusterBudget(memory_bytes=memory, slots=slots) if memory else None
     if system == "symi" and slots:
         budget = ClusterBudget(memory_bytes=1 << 40, slots=slots)
-    layer = MoELayer(CFG, system=system, group=group, backward=BackwardConfig(ratio=ratio), budget=budget,
+    layer = MoELayer(CFG, system=system, group=group, backward=BackwardConfig("lrm", ratio=ratio), budget=budget,
                      capacity_factor=1.0)
     rank = layer.rank
     gen = torch.Generator().manual_seed(100 + rank)
@@ -43,7 +43,7 @@ def _layer_peak(group, system, ratio, memory, slots, seed=0):
     st, pl = layer.last_stats, layer.placement
     chunk = None if layer.controller is None else layer.controller.forward_chunk_rows(pl, rank, st["recv_rows"])
     work = RankWork(st["recv_rows"], st["bwd_gemm_rows"], len(pl.slots[rank]), len(pl.owned(rank)), chunk,
-                    layer.world, pl.num_copies > CFG.num_experts)
+                    layer.world, pl.num_copies > CFG.num_experts, keep=st.get("keep_mode") or "nothing")
     counts = st["counts_E"]
     return {"peak": st["peak_expert_side_bytes"], "work": work, "counts": counts, "kept": int(st["kept_E"].sum())}
 

@@ -138,7 +138,7 @@ class BackwardConfig:
     capped by the ratio's.
     """
 
-    selection: str = "lrm"
+    selection: str = "local-sampled"
     ratio: float = 1.0
     seed: int = 0
     p_min: float = 0.01
