@@ -24,7 +24,8 @@ that flips in bf16 does not count as an error; the fraction of pairs whose exper
 router would have picked differently is reported as ``route_flips``); the check stops the
 script above 0.05. Then rows static, hf (transformers' block with the same weights,
 ``grouped_mm`` experts; where the shape has one: both models at ``--ep 1``, Qwen3 at
-``--ep N``), lrmoe@1, lrmoe@0.5, lrmoe@0.25, masked@0.25: forward and backward time (CUDA
+``--ep N``), lrmoe@1, lrmoe@0.5, lrmoe@0.25, masked@0.25 (the library's default selection,
+recorded in ``setup``): forward and backward time (CUDA
 events on the GPU, wall clock on the CPU; medians of interleaved rounds after a warm-up round)
 and peak memory (on the GPU the rise of ``torch.cuda.max_memory_allocated`` over what was
 allocated before the call; on the CPU the layer's peak_expert_side_bytes, none for hf).
@@ -213,7 +214,8 @@ def run_model(shape: dict, tokens: int, ep: int, device: torch.device, dtype: to
     check = correctness(local, min(rows, 1024), device, dtype)
     setup = {"ep": ep, "local_experts": local["num_experts"], "rows": rows, "top_k": local["top_k"],
              "dim": local["dim"], "ffn_dim": local["ffn_dim"],
-             "shared_expert": bool(local.get("num_shared_experts"))}
+             "shared_expert": bool(local.get("num_shared_experts")),
+             "selection": ROWS["lrmoe@0.25"][1].selection}
     if max(check["out_rel_err"], check["dx_rel_err"]) > TOLERANCE:
         raise SystemExit(f"{setup}: layer disagrees with fp32 (routing fixed) above {TOLERANCE}: {check}")
     torch.manual_seed(0)

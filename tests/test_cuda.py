@@ -65,7 +65,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 CASES = [(s, None) for s in SYSTEMS] + [("lrmoe", BackwardConfig(selection="local-sampled", ratio=0.5)),
-                                        ("lrmoe", BackwardConfig(ratio=0.5))]
+                                        ("lrmoe", BackwardConfig(selection="lrm", ratio=0.5))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

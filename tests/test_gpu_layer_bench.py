@@ -42,7 +42,7 @@ def test_gpu_layer_cpu_small(gpu_layer, tmp_path, ep):
         r = result[model]
         shape = gpu_layer.SMALL[model]
         setup = r["setup"]
-        assert setup["ep"] == ep
+        assert setup["ep"] == ep and setup["selection"] == gpu_layer.ROWS["lrmoe@0.25"][1].selection
         assert setup["local_experts"] == shape["num_experts"] // ep
         assert setup["rows"] == (tokens if ep == 1 else tokens * shape["top_k"])
         assert setup["shared_expert"] == (ep == 1 and "num_shared_experts" in shape)
