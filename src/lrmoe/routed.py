@@ -241,9 +241,12 @@ def routed_backward(
     """Backward of the routed experts. Returns (dx_TD, dweights_TK, dgate_up, ddown).
 
     Full-backward systems reuse the forward's row plan; ``masked`` too, with the rows of
-    dropped pairs zeroed. A compacting backward builds a row plan over the kept pairs only
-    (spread min-peak over copies within the plan's kept capacities) and re-sends their x rows,
-    since its expert side kept none. Replica weight gradients are reduced to their owners.
+    dropped pairs zeroed. A compacting backward whose expert side kept nothing builds a row
+    plan over the kept pairs only (spread min-peak over copies within the plan's kept
+    capacities) and re-sends their x rows; one that kept x (and activations) restricts the
+    forward's plan to the kept pairs, so each is computed where its x lives (no re-spread over
+    replicas: the trade-off for sending dy alone). Replica weight gradients are reduced to
+    their owners.
     """
     ctx, spec, meter, saved, plan = call.ctx, call.ctx.spec, call.meter, call.saved, call.plan
     t0 = time.perf_counter()
