@@ -22,24 +22,30 @@ same assignment.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import torch
 
 
-def _level_for(need: int, base: np.ndarray, cap: np.ndarray) -> int | None:
-    """Least P with Σ_r clip(min(P, cap_r) − base_r, 0) ≥ need, or None if even P = ∞ fails."""
-    room = np.clip(cap - base, 0, None)
-    if room.sum() < need:
+def _level_for(need: int, base: list[int], cap: list[int]) -> int | None:
+    """Least P with Σ_r clip(min(P, cap_r) − base_r, 0) ≥ need, or None if even P = ∞ fails.
+    Rank r's room grows by one per unit of P between base_r and cap_r: sweep those knots."""
+    spans = [(b, c) for b, c in zip(base, cap) if c > b]
+    if sum(c - b for b, c in spans) < need:
         return None
-    lo, hi = int(base.min()), int(base.max()) + need  # at hi every rank has ≥ need room
-    while lo < hi:  # the room is monotone in P; ~log2(need) steps over ≤ R ranks
-        mid = (lo + hi) // 2
-        if np.clip(np.minimum(mid, cap) - base, 0, None).sum() >= need:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    if need <= 0:
+        return min(base)
+    room = slope = 0
+    at = None
+    for p, d in sorted([(b, 1) for b, _ in spans] + [(c, -1) for _, c in spans]):
+        if at is not None and room + slope * (p - at) >= need:
+            return at + -(-(need - room) // slope)
+        if at is not None:
+            room += slope * (p - at)
+        at = p
+        slope += d
+    raise AssertionError("unreachable: the total room covers need")
 
 
 def experts_of_ranks(holders: list[list[int]], ranks: int) -> list[list[int]]:
@@ -51,107 +57,163 @@ def experts_of_ranks(holders: list[list[int]], ranks: int) -> list[list[int]]:
     return out
 
 
-def max_flow(flow, supply, slack, holders, holders_of_rank):
+def holder_lists_of(holders: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each expert's holders as a sorted list of distinct ints: the given lists themselves when
+    they already are (as :attr:`Placement.holder_lists` are; callers must not modify them)."""
+    for hs in holders:
+        if type(hs) is not list:
+            break
+        prev = -1 << 62
+        for r in hs:
+            if type(r) is not int or r <= prev:
+                break
+            prev = r
+        else:
+            continue
+        break
+    else:
+        return holders if type(holders) is list else list(holders)
+    return [sorted({int(r) for r in hs}) for hs in holders]
+
+
+def holder_arrays(holders: Sequence[Sequence[int]]) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """:func:`holder_lists_of`, and all of them end to end with the expert of each entry."""
+    lists = holder_lists_of(holders)
+    sizes = [len(hs) for hs in lists]
+    flat = np.fromiter(chain.from_iterable(lists), np.int64, sum(sizes))
+    return lists, flat, np.repeat(np.arange(len(sizes)), sizes)
+
+
+def max_flow(flow, supply, slack, holders, holders_of_rank, sources=None):
     """Place ``supply[e]`` more rows of each expert on its holders within ``slack``: Dinic's
     algorithm on the residual graph, in place on plain lists. Returns None when every unit is
     placed, else (experts, ranks) reachable from unplaced units: the blocking set, whose ranks
     are full and receive rows from those experts only.
 
-    ``flow[e]`` maps holder rank → rows of e there; a forward edge e → r is unbounded, the
-    residual edge r → e carries flow[e][r]; rank r has ``slack[r]`` left toward the sink.
+    ``flow[e]`` maps each holder rank (every one of them) → rows of e there; a forward edge
+    e → r is unbounded, the residual edge r → e carries flow[e][r]; rank r has ``slack[r]``
+    left toward the sink.
+    ``sources`` (ascending experts), when given, must contain every expert with supply: the
+    search then starts from those alone instead of scanning every expert.
     """
-    E = len(flow)
+    E, R = len(flow), len(slack)
+    candidates = range(E) if sources is None else sources
     while True:
-        # BFS levels from every expert with unplaced rows.
-        level_e = [-1] * E
-        level_r = [-1] * len(slack)
-        frontier = [e for e in range(E) if supply[e] > 0]
+        # BFS levels from every expert with unplaced rows (levels are distances: any visiting
+        # order gives the same ones).
+        frontier = [e for e in candidates if supply[e] > 0]
         if not frontier:
             return None
+        starts = frontier
+        level_e = [-1] * E
+        level_r = [-1] * R
         for e in frontier:
             level_e[e] = 0
+        seen_e, seen_r = list(frontier), []
         depth, found = 0, False
-        while frontier and not found:
+        while frontier:
+            d1 = depth + 1
             ranks = []
             for e in frontier:
                 for r in holders[e]:
                     if level_r[r] < 0:
-                        level_r[r] = depth + 1
+                        level_r[r] = d1
                         ranks.append(r)
-                        found |= slack[r] > 0
+                        if slack[r] > 0:
+                            found = True
             if found:
                 break
+            seen_r += ranks
+            d2 = depth + 2
             frontier = []
             for r in ranks:
                 for e in holders_of_rank[r]:
-                    if level_e[e] < 0 and flow[e].get(r, 0) > 0:
-                        level_e[e] = depth + 2
+                    if level_e[e] < 0 and flow[e][r] > 0:
+                        level_e[e] = d2
                         frontier.append(e)
-            depth += 2
+            seen_e += frontier
+            depth = d2
         if not found:
-            seen_e = [e for e in range(E) if level_e[e] >= 0]
-            seen_r = [r for r in range(len(slack)) if level_r[r] >= 0]
-            return seen_e, seen_r
-        # Blocking flow along level-increasing paths (iterative DFS with current-arc pointers).
+            return sorted(seen_e), sorted(seen_r)
+        if not depth:
+            # A rank with slack next to a source: the level graph has no backward edges, so the
+            # blocking flow below reduces to filling each source's holders in order.
+            for e0 in starts:
+                s = supply[e0]
+                f = flow[e0]
+                for r in holders[e0]:
+                    k = slack[r]
+                    if k > 0:
+                        d = s if s < k else k
+                        f[r] += d
+                        slack[r] = k - d
+                        s -= d
+                        if not s:
+                            break
+                supply[e0] = s
+            continue
+        # Blocking flow along level-increasing paths: iterative DFS with current-arc pointers,
+        # sources in ascending order, holders and back edges in ascending order.
         arc_e = [0] * E  # next holder to try
-        arc_r = [0] * len(slack)  # next expert to try going backward from a rank
-        for e0 in range(E):
+        arc_r = [0] * R  # next expert to try going backward from a rank
+        for e0 in starts:
             while supply[e0] > 0 and level_e[e0] == 0:
-                path = _find_path(e0, flow, slack, holders, holders_of_rank, level_e, level_r, arc_e, arc_r)
-                if path is None:
-                    break
-                delta = supply[e0]
-                r_end = path[-1][1]
-                delta = min(delta, slack[r_end])
-                for e, r_in, _ in _hops(path):
-                    if r_in is not None:
-                        delta = min(delta, flow[e][r_in])
-                for e, r_in, r_out in _hops(path):
-                    flow[e][r_out] = flow[e].get(r_out, 0) + delta
-                    if r_in is not None:
-                        flow[e][r_in] -= delta
-                supply[e0] -= delta
-                slack[r_end] -= delta
-
-
-def _hops(path):
-    """(expert, rank it gives rows up at or None, rank it sends rows to) along a path."""
-    for i, (e, r_out) in enumerate(path):
-        yield e, (path[i - 1][1] if i else None), r_out
-
-
-def _find_path(e0, flow, slack, holders, holders_of_rank, level_e, level_r, arc_e, arc_r):
-    """One path e0 → r → e → r … → r_end (slack > 0) in the level graph, as [(expert, rank)]."""
-    stack = [(e0, None)]  # (expert, rank it was entered from)
-    path = []
-    while stack:
-        e, _ = stack[-1]
-        hs = holders[e]
-        advanced = False
-        while arc_e[e] < len(hs):
-            r = hs[arc_e[e]]
-            if level_r[r] == level_e[e] + 1:
-                if slack[r] > 0:
-                    return path + [(e, r)]
-                # go backward to an expert with rows at r, one level deeper
-                hr = holders_of_rank[r]
-                while arc_r[r] < len(hr):
-                    e2 = hr[arc_r[r]]
-                    if level_e[e2] == level_r[r] + 1 and flow[e2].get(r, 0) > 0:
+                stack = [e0]  # experts on the path; stack[i] sends rows to via[i]
+                via = []
+                end = -1
+                while stack:
+                    e = stack[-1]
+                    hs = holders[e]
+                    n_h = len(hs)
+                    up = level_e[e] + 1
+                    a = arc_e[e]
+                    advanced = False
+                    while a < n_h:
+                        r = hs[a]
+                        if level_r[r] == up:
+                            if slack[r] > 0:
+                                end = r
+                                break
+                            # go backward to an expert with rows at r, one level deeper
+                            hr = holders_of_rank[r]
+                            n_r = len(hr)
+                            b = arc_r[r]
+                            while b < n_r:
+                                e2 = hr[b]
+                                if level_e[e2] == up + 1 and flow[e2][r] > 0:
+                                    break
+                                b += 1
+                            arc_r[r] = b
+                            if b < n_r:
+                                via.append(r)
+                                stack.append(hr[b])
+                                advanced = True
+                                break
+                        a += 1
+                    arc_e[e] = a
+                    if end >= 0:
                         break
-                    arc_r[r] += 1
-                if arc_r[r] < len(hr):
-                    path.append((e, r))
-                    stack.append((hr[arc_r[r]], r))
-                    advanced = True
+                    if not advanced:
+                        stack.pop()
+                        level_e[e] = -2  # dead end for this phase
+                        if via:
+                            via.pop()
+                if end < 0:
                     break
-            arc_e[e] += 1
-        if not advanced:
-            stack.pop()
-            level_e[e] = -2  # dead end for this phase
-            if path:
-                path.pop()
-    return None
+                via.append(end)
+                delta = min(supply[e0], slack[end])
+                for i in range(1, len(stack)):
+                    k = flow[stack[i]][via[i - 1]]
+                    if k < delta:
+                        delta = k
+                for i, e in enumerate(stack):
+                    f = flow[e]
+                    r = via[i]
+                    f[r] += delta
+                    if i:
+                        f[via[i - 1]] -= delta
+                supply[e0] -= delta
+                slack[end] -= delta
 
 
 def assign_min_peak(
@@ -169,7 +231,10 @@ def assign_min_peak(
     local placement fits (so when keeping every row local is optimal, every row stays local).
     Raises ``ValueError`` when the capacities cannot hold the pairs.
     """
-    counts = np.asarray(counts_ES, dtype=np.int64)
+    if isinstance(counts_ES, torch.Tensor) and counts_ES.dtype == torch.int64:
+        counts = np.ascontiguousarray(counts_ES.numpy())
+    else:
+        counts = np.asarray(counts_ES, dtype=np.int64)
     E, S = counts.shape
     R = S
     if len(holders) != E:
@@ -179,57 +244,65 @@ def assign_min_peak(
     base = np.zeros(R, np.int64) if base_R is None else np.asarray(base_R, dtype=np.int64).copy()
     big = 1 << 40  # "no capacity": far above any row count, and sums of it cannot overflow
     cap = np.full(R, big, np.int64) if capacity_R is None else np.asarray(capacity_R, dtype=np.int64).copy()
-    hold = np.zeros((E, R), bool)
-    for e, hs in enumerate(holders):
-        if len(hs) == 0 and counts[e].sum() > 0:
-            raise ValueError(f"expert {e} has {int(counts[e].sum())} pairs but no holder")
-        for r in hs:
-            if not 0 <= r < R:
-                raise ValueError(f"holder {r} of expert {e} is not a rank in [0, {R})")
-        hold[e, list(hs)] = True
     n_E = counts.sum(1)
+    holder_lists, flat, rows = holder_arrays(holders)
+    sizes = np.bincount(rows, minlength=E)
+    if ((sizes == 0) & (n_E > 0)).any() or ((flat < 0) | (flat >= R)).any():
+        for e, hs in enumerate(holder_lists):  # the first expert at fault, in expert order
+            if not hs and n_E[e] > 0:
+                raise ValueError(f"expert {e} has {int(n_E[e])} pairs but no holder")
+            for r in holders[e]:
+                if not 0 <= r < R:
+                    raise ValueError(f"holder {r} of expert {e} is not a rank in [0, {R})")
     if (base > cap).any():
         r = int(np.argmax(base > cap))
         raise ValueError(f"rank {r}: base load {int(base[r])} already exceeds its capacity {int(cap[r])}")
+    # (rows[j], flat[j]): expert rows[j] and one of its holders, experts then ranks ascending
 
     # A lower bound to start from: no rank below its base, and some holder of each expert takes
     # at least n_e / |H_e| rows on top of the smallest base among its holders.
-    n_holders = hold.sum(1)
+    starts = np.cumsum(sizes) - sizes
     used = n_E > 0
-    min_base = np.where(hold, base[None, :], big).min(1)
     P = int(base.max()) if R else 0
     if used.any():
-        P = max(P, int((min_base[used] + -(-n_E[used] // n_holders[used])).max()))
-    single = used & (n_holders == 1)  # experts with one holder must all land on it
+        min_base = np.full(E, big, np.int64)
+        has = sizes > 0  # every used expert
+        min_base[has] = np.minimum.reduceat(base[flat], starts[has])
+        P = max(P, int((min_base[used] + -(-n_E[used] // sizes[used])).max()))
+    single = used & (sizes == 1)  # experts with one holder must all land on it
     if single.any():
-        only = np.bincount(hold[single].argmax(1), weights=n_E[single], minlength=R).astype(np.int64)
+        only = np.bincount(flat[starts[single]], weights=n_E[single], minlength=R).astype(np.int64)
         P = max(P, int((base + only).max()))
 
-    holder_lists = [sorted(int(r) for r in hs) for hs in holders]
     holders_of_rank = experts_of_ranks(holder_lists, R)
-    local_D = np.where(hold, counts, 0) if S == R else np.zeros((E, R), np.int64)
+    own = counts[rows, flat]  # rows of each expert from its holder's own rank (S == R)
+    local_D = np.zeros((E, R), np.int64)
+    local_D[rows, flat] = own
+    before = (local_D.cumsum(0) - local_D)[rows, flat]  # rows kept local, lowest expert index first
+    n_l = n_E.tolist()
     cap_l = cap.tolist()
+    base_l = base.tolist()
+    bounds = list(zip(starts.tolist(), (starts + sizes).tolist()))
 
     def solve(P: int):
         """Flow from the local start at peak P, raising P until complete. Returns (P, flow)."""
         limit = np.minimum(P, cap) - base
-        before = local_D.cumsum(0) - local_D  # rows kept local, lowest expert index first
-        local = np.clip(limit[None, :] - before, 0, local_D)
-        flow = [{r: int(local[e, r]) for r in hs} for e, hs in enumerate(holder_lists)]
-        supply = (n_E - local.sum(1)).tolist()
-        slack = (limit - local.sum(0)).tolist()
+        local = np.clip(limit[flat] - before, 0, own)
+        kept = local.tolist()
+        flow = [dict(zip(hs, kept[a:b])) for hs, (a, b) in zip(holder_lists, bounds)]
+        supply = (n_E - np.bincount(rows, local, E).astype(np.int64)).tolist()
+        slack = (limit - np.bincount(flat, local, R).astype(np.int64)).tolist()
         while True:
             blocked = max_flow(flow, supply, slack, holder_lists, holders_of_rank)
             if blocked is None:
                 return P, flow
             seen_e, seen_r = blocked
-            need = int(n_E[seen_e].sum())
-            ranks = np.asarray(seen_r)
-            level = _level_for(need, base[ranks], cap[ranks])
+            need = sum(n_l[e] for e in seen_e)
+            level = _level_for(need, [base_l[r] for r in seen_r], [cap_l[r] for r in seen_r])
             if level is None:
                 raise ValueError(
                     f"infeasible capacity: experts {seen_e} have {need} pairs, their holders {seen_r} "
-                    f"have room for {int(np.clip(cap[ranks] - base[ranks], 0, None).sum())}"
+                    f"have room for {sum(max(cap_l[r] - base_l[r], 0) for r in seen_r)}"
                 )
             new_P = max(P + 1, level)
             for r in range(R):
@@ -239,38 +312,38 @@ def assign_min_peak(
     best, flow = solve(P)
     if best > P:  # the local start was cut at a too-low peak: start again from it at the optimum
         best, flow = solve(best)
-    flow_ER = np.zeros((E, R), np.int64)
-    for e, f in enumerate(flow):
-        for r, k in f.items():
-            flow_ER[e, r] = k
-    return torch.from_numpy(_split_by_source(counts, flow_ER, hold))
+    flow_l = np.fromiter(chain.from_iterable(f.values() for f in flow), np.int64, len(flat))
+    return torch.from_numpy(_split_by_source(counts, flow_l, rows, flat))
 
 
-def _split_by_source(counts: np.ndarray, flow: np.ndarray, hold: np.ndarray) -> np.ndarray:
-    """Turn per-(expert, rank) row totals into per-(expert, source, rank) counts: each source
-    keeps its rows local as far as its own rank's share allows; the rest fill the remaining
-    shares in (source, holder) order (north-west corner rule, vectorised over experts)."""
+def _split_by_source(counts: np.ndarray, flow_l: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Turn per-(expert, holder) row totals (``flow_l[j]`` rows of expert ``rows[j]`` on rank
+    ``cols[j]``, holders ascending per expert) into per-(expert, source, rank) counts: each
+    source keeps its rows local as far as its own rank's share allows; the rest fill the
+    remaining shares in (source, holder) order (north-west corner rule, vectorised over
+    experts)."""
     E, S = counts.shape
-    R = flow.shape[1]
+    R = S
     assign = np.zeros((E, S, R), np.int64)
-    keep = np.where(hold, np.minimum(counts, flow), 0)  # S == R: source s is rank s
-    idx = np.arange(S)
-    assign[:, idx, idx] = keep
-    left_s = counts - keep
-    left_r = flow - keep
-    H = int(hold.sum(1).max()) if E else 0
-    if H == 0 or not left_s.any():
+    if not len(rows):
         return assign
-    # holders of each expert as columns, padded with rank 0 carrying nothing
-    order = np.argsort(~hold, axis=1, kind="stable")[:, :H]
-    valid = np.take_along_axis(hold, order, 1)
-    left_h = np.where(valid, np.take_along_axis(left_r, order, 1), 0)
-    cs = left_s.cumsum(1)
-    ch = left_h.cumsum(1)
-    # rows of source s to holder column h: overlap of [cs_{s-1}, cs_s) and [ch_{h-1}, ch_h)
-    lo = np.maximum((cs - left_s)[:, :, None], (ch - left_h)[:, None, :])
-    hi = np.minimum(cs[:, :, None], ch[:, None, :])
-    moved = np.clip(hi - lo, 0, None)  # (E, S, H)
-    e, src, h = np.nonzero(moved)  # few: each source's rows span a handful of holders
-    assign[e, src, order[e, h]] += moved[e, src, h]  # (e, src, rank) triples are distinct
+    keep = np.minimum(counts[rows, cols], flow_l)  # S == R: source s is rank s
+    left_h = flow_l - keep
+    if left_h.any():
+        left_s = counts.copy()
+        left_s[rows, cols] -= keep
+        cs = left_s.cumsum(1)
+        cs0 = cs - left_s
+        ch = left_h.cumsum()
+        first = np.searchsorted(rows, rows)  # each holder's expert's first holder
+        ch -= ch[first] - left_h[first]
+        ch0 = ch - left_h
+        # rows of source s to holder j: overlap of [cs0_s, cs_s) and [ch0_j, ch_j) of j's expert
+        moved = np.minimum(cs[rows], ch[:, None])
+        moved -= np.maximum(cs0[rows], ch0[:, None])
+        np.maximum(moved, 0, out=moved)
+        cell = (rows * (S * R) + cols)[:, None] + np.arange(0, S * R, R)[None, :]  # (e, s, cols[j])
+        assign.reshape(-1)[cell] = moved
+    # a source never sends rows to itself above (its own share or its own rows are used up)
+    assign[rows, cols, cols] = keep
     return assign

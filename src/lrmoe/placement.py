@@ -11,6 +11,7 @@ replicas (ascending).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -103,14 +104,32 @@ class Placement:
 def copies_by_load(load: list[float], copies: list[int], free_slots: int, world: int) -> list[int]:
     """Hand ``free_slots`` more copies out one at a time, each to the expert with the largest
     load per copy (D'Hondt; ties to the lower expert id), never more copies than ranks and none
-    to an expert without load. ``copies`` gives the starting counts."""
+    to an expert without load. ``copies`` gives the starting counts. A heap of (−load per copy,
+    expert) gives the same choices as scanning every expert each time."""
     copies = list(copies)
-    E = len(load)
+    if free_slots <= 0:
+        return copies
+    if any(x != x for x in load):  # NaN has no order: scan as the definition says
+        E = len(load)
+        for _ in range(free_slots):
+            e = max(range(E), key=lambda e: (load[e] / max(copies[e], 1) if copies[e] < world else -1.0, -e))
+            if copies[e] >= world or load[e] <= 0:
+                break
+            copies[e] += 1
+        return copies
+    heap = [(-(load[e] / max(k, 1)), e) for e, k in enumerate(copies) if k < world]
+    heapq.heapify(heap)
     for _ in range(free_slots):
-        e = max(range(E), key=lambda e: (load[e] / max(copies[e], 1) if copies[e] < world else -1.0, -e))
-        if copies[e] >= world or load[e] <= 0:
+        if not heap:  # every expert on every rank
+            break
+        e = heap[0][1]
+        if load[e] <= 0:  # the largest load per copy is none: the rest have no load
             break
         copies[e] += 1
+        if copies[e] < world:
+            heapq.heapreplace(heap, (-(load[e] / copies[e]), e))
+        else:
+            heapq.heappop(heap)
     return copies
 
 
@@ -122,7 +141,28 @@ def place_copies(units: list[tuple[float, int]], rank_load: list[float], free: l
     stay inside their node. Updates ``rank_load``, ``free`` and ``holds``; returns the experts
     placed on each rank."""
     placed: list[list[int]] = [[] for _ in rank_load]
-    for share, e in sorted(units, key=lambda u: (-u[0], u[1])):
+    order = sorted(units, key=lambda u: (-u[0], u[1]))
+    if node_of is None and not any(x != x for x in rank_load) and not any(u[0] != u[0] for u in units):
+        # the least-loaded rank with a free slot: a heap of (load, rank), skipping those that hold
+        # the expert already (few: an expert has few copies)
+        heap = [(load, r) for r, load in enumerate(rank_load) if free[r] > 0]
+        heapq.heapify(heap)
+        for share, e in order:
+            skipped = []
+            while heap and e in holds[heap[0][1]]:
+                skipped.append(heapq.heappop(heap))
+            if heap:
+                r = heapq.heappop(heap)[1]
+                placed[r].append(e)
+                holds[r].add(e)
+                free[r] -= 1
+                rank_load[r] += share
+                if free[r] > 0:
+                    heapq.heappush(heap, (rank_load[r], r))
+            for item in skipped:
+                heapq.heappush(heap, item)
+        return placed
+    for share, e in order:
         options = [r for r in range(len(rank_load)) if free[r] > 0 and e not in holds[r]]
         if not options:
             continue
@@ -148,7 +188,8 @@ def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int],
     """
     E, W = base.num_experts, base.world
     load = [max(float(v), 0.0) for v in load_E.tolist()]
-    owned = [base.owned(r) for r in range(W)]
+    owner = base.owner_E.tolist()
+    owned = [tuple(e for e in base.slots[r] if owner[e] == r) for r in range(W)]  # base.owned(r)
     free = [slots_R[r] - len(owned[r]) for r in range(W)]
     if any(f < 0 for f in free):
         r = min(range(W), key=lambda r: free[r])
@@ -157,4 +198,5 @@ def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int],
     rank_load = [sum(load[e] / copies[e] for e in owned[r]) for r in range(W)]
     units = [(load[e] / copies[e], e) for e in range(E) for _ in range(copies[e] - 1)]
     replicas = place_copies(units, rank_load, free, [set(o) for o in owned], node_of)
-    return base.with_replicas(replicas)
+    # base.with_replicas(replicas), with the owned experts already at hand
+    return Placement(E, tuple(owned[r] + tuple(sorted(replicas[r])) for r in range(W)), base.owner_E)

@@ -85,9 +85,57 @@ def _shadow_time(counts_SE: np.ndarray, owner_E: np.ndarray, shadow: np.ndarray,
 
 def shadow_experts(counts_SE: torch.Tensor, base: Placement, cost: CostModel) -> list[int]:
     """FasterMoE's dynamic shadowing decision for one call: experts by descending load, each
-    shadowed while the predicted time keeps falling (the first that does not help stops it)."""
+    shadowed while the predicted time keeps falling (the first that does not help stops it).
+
+    The per-rank figures of :func:`_shadow_time` are kept up to date as each expert is shadowed
+    (integer-valued sums, so exactly the same figures) instead of recomputed over every expert."""
     counts = counts_SE.numpy().astype(np.float64)
     owner_E = base.owner_E.numpy()
+    S, E = counts.shape
+    shadow = np.zeros(E, bool)
+    total_E = counts.sum(0)
+    if counts_SE.is_floating_point() or counts.sum() >= 2**52:  # sums would round: recompute each
+        return _shadow_experts_by_recomputing(counts, owner_E, cost)
+    ranks = np.arange(S)
+    # _shadow_time's figures with nothing shadowed: every pair goes to its owner
+    to_owner_R = np.bincount(owner_E, weights=total_E, minlength=S)
+    kept_home_R = (counts * (owner_E[None, :] == ranks[:, None])).sum(1)
+    rows_R = to_owner_R.copy()
+    sent_R = counts.sum(1) - kept_home_R
+    recv_R = to_owner_R - kept_home_R
+    n_shadow_R = np.zeros(S, np.int64)
+
+    def time_now() -> float:
+        wire_R = np.maximum(sent_R, recv_R) * cost.row_wire_bytes
+        per_rank = rows_R * cost.row_s + wire_R * cost.byte_s
+        broadcast_R = n_shadow_R * 2 * (S - 1) * cost.expert_bytes * cost.byte_s
+        return float((per_rank + broadcast_R).max())
+
+    best = time_now()
+    for e in np.argsort(-total_E, kind="stable").tolist():
+        if total_E[e] == 0:
+            break
+        col, o = counts[:, e], owner_E[e]
+        # shadow e: its pairs stay where they come from instead of going to owner o
+        undo = rows_R.copy(), sent_R.copy(), recv_R.copy()
+        rows_R += col
+        rows_R[o] -= total_E[e]
+        sent_R -= col
+        sent_R[o] += col[o]  # the owner's own pairs were never sent
+        recv_R[o] -= total_E[e] - col[o]
+        n_shadow_R[o] += 1
+        t = time_now()
+        if t >= best:
+            rows_R, sent_R, recv_R = undo
+            n_shadow_R[o] -= 1
+            break
+        shadow[e] = True
+        best = t
+    return sorted(int(e) for e in np.flatnonzero(shadow))
+
+
+def _shadow_experts_by_recomputing(counts: np.ndarray, owner_E: np.ndarray, cost: CostModel) -> list[int]:
+    """:func:`shadow_experts` with :func:`_shadow_time` recomputed for every trial."""
     shadow = np.zeros(counts.shape[1], bool)
     best = _shadow_time(counts, owner_E, shadow, cost)
     for e in np.argsort(-counts.sum(0), kind="stable"):
@@ -209,40 +257,73 @@ def laer_layout(counts_E: torch.Tensor, base: Placement, slots_R: list[int]) -> 
     copies = copies_by_load(load, [1 if load[e] > 0 else 0 for e in range(E)], sum(slots_R) - len(needed), W)
     units = [(load[e] / copies[e], e) for e in needed for _ in range(copies[e])]
     slots = place_copies(units, [0.0] * W, list(slots_R), [set() for _ in range(W)])
-    owner_E = base.owner_E.clone()
+    owner = base.owner_E.tolist()
     for r in reversed(range(W)):
         for e in slots[r]:
-            owner_E[e] = r
+            owner[e] = r
+    owner_E = torch.tensor(owner, dtype=base.owner_E.dtype)
     return Placement(E, tuple(tuple(sorted(s)) for s in slots), owner_E)
 
 
 # ------------------------------------------------------------------------------- topoep
-def _cumsum_within(x_EN: torch.Tensor, group_N: torch.Tensor) -> torch.Tensor:
+def _cumsum_within(x_EN: np.ndarray, group_N: np.ndarray) -> np.ndarray:
     """Cumulative sums along N that restart in every group (members in index order)."""
-    out = torch.empty_like(x_EN)
-    for g in group_N.unique():
-        idx = (group_N == g).nonzero().squeeze(1)
-        out[:, idx] = x_EN[:, idx].cumsum(1)
+    sums = x_EN.cumsum(1)
+    if group_N[0] == group_N[-1] and (group_N == group_N[0]).all():  # one group
+        return sums
+    if (group_N[1:] >= group_N[:-1]).all():  # groups in contiguous blocks, in order
+        first = np.searchsorted(group_N, group_N)  # each member's group's first member
+        sums -= sums[:, first] - x_EN[:, first]
+        return sums
+    order = np.argsort(group_N, kind="stable")
+    out = np.empty_like(sums)
+    out[:, order] = _cumsum_within(x_EN[:, order], group_N[order])
     return out
 
 
-def _in_order(supply_ES: torch.Tensor, demand_ER: torch.Tensor, group_S: torch.Tensor, group_R: torch.Tensor
-              ) -> torch.Tensor:
-    """Per expert and group, sources fill holders in rank order (the north-west corner rule):
-    laid end to end on one axis, source s and holder r exchange the overlap of their intervals."""
-    hi_S, hi_R = _cumsum_within(supply_ES, group_S), _cumsum_within(demand_ER, group_R)
-    lo_S, lo_R = hi_S - supply_ES, hi_R - demand_ER
-    flow = torch.minimum(hi_S[:, :, None], hi_R[:, None, :]) - torch.maximum(lo_S[:, :, None], lo_R[:, None, :])
-    return flow.clamp(min=0) * (group_S[:, None] == group_R[None, :])
+def _in_order(supply_ES: np.ndarray, demand_ER: np.ndarray, group: np.ndarray | None, out: np.ndarray,
+              last: bool) -> None:
+    """Per expert and group (``None``: one group), sources fill holders in rank order (the
+    north-west corner rule): laid end to end on one axis, source s and holder r exchange the
+    overlap of their intervals. Adds the exchanged pairs to ``out`` (E, S, R) and, unless
+    ``last``, takes them off supply and demand."""
+    E, S = supply_ES.shape
+    R = demand_ER.shape[1]
+    e, r = np.nonzero(demand_ER)  # the holders still owed rows: few per expert
+    if not len(e):
+        return
+    if group is None:
+        hi_S, hi_R = supply_ES.cumsum(1), demand_ER.cumsum(1)
+    else:
+        hi_S, hi_R = _cumsum_within(supply_ES, group), _cumsum_within(demand_ER, group)
+    top_S = hi_S[e]  # (L, S): the sources of each holder's expert
+    moved = np.minimum(top_S, hi_R[e, r][:, None])
+    moved -= np.maximum(top_S - supply_ES[e], (hi_R[e, r] - demand_ER[e, r])[:, None])
+    np.maximum(moved, 0, out=moved)
+    if group is not None:
+        moved *= group[None, :] == group[r][:, None]
+    out.reshape(-1)[(e * (S * R) + r)[:, None] + np.arange(0, S * R, R)[None, :]] += moved
+    if not last:
+        demand_ER[e, r] -= moved.sum(1)
+        first = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])  # e ascending: each expert's first holder
+        supply_ES[e[first]] -= np.add.reduceat(moved, first, axis=0)
 
 
 def localize(assign_ESR: torch.Tensor, node_of: list[int]) -> torch.Tensor:
     """Re-match sources to holders without changing any rank's rows of any expert (so the peak
     is unchanged): first on the source rank itself, then inside its node, then across nodes, in
     rank order. For fixed per-holder totals this minimises the pairs that cross nodes."""
-    supply_ES, demand_ER = assign_ESR.sum(2), assign_ESR.sum(1)
-    out = torch.diag_embed(torch.minimum(supply_ES, demand_ER))  # on the source itself (S = R)
-    node = torch.tensor(node_of[: assign_ESR.shape[1]])
-    for group in (node, torch.zeros_like(node)):  # inside each node, then anywhere
-        out = out + _in_order(supply_ES - out.sum(2), demand_ER - out.sum(1), group, group)
-    return out
+    A = assign_ESR.numpy()
+    E, S, R = A.shape
+    supply_ES, demand_ER = A.sum(2), A.sum(1)
+    out = np.zeros((E, S, R), A.dtype)
+    if not A.size:
+        return torch.from_numpy(out)
+    idx = np.arange(S)
+    own = np.minimum(supply_ES, demand_ER)  # on the source itself (S = R)
+    out[:, idx, idx] = own
+    supply_ES -= own
+    demand_ER -= own
+    _in_order(supply_ES, demand_ER, np.asarray(node_of[:S]), out, last=False)  # inside each node
+    _in_order(supply_ES, demand_ER, None, out, last=True)  # then anywhere
+    return torch.from_numpy(out)
