@@ -239,7 +239,7 @@ def assign_min_peak(
     R = S
     if len(holders) != E:
         raise ValueError(f"holders has {len(holders)} entries, counts_ES has {E} experts")
-    if (counts < 0).any():
+    if counts.size and counts.min() < 0:
         raise ValueError("counts_ES must be non-negative")
     base = np.zeros(R, np.int64) if base_R is None else np.asarray(base_R, dtype=np.int64).copy()
     big = 1 << 40  # "no capacity": far above any row count, and sums of it cannot overflow
@@ -254,7 +254,7 @@ def assign_min_peak(
             for r in holders[e]:
                 if not 0 <= r < R:
                     raise ValueError(f"holder {r} of expert {e} is not a rank in [0, {R})")
-    if (base > cap).any():
+    if (base_R is not None or capacity_R is not None) and (base > cap).any():
         r = int(np.argmax(base > cap))
         raise ValueError(f"rank {r}: base load {int(base[r])} already exceeds its capacity {int(cap[r])}")
     # (rows[j], flat[j]): expert rows[j] and one of its holders, experts then ranks ascending
@@ -264,15 +264,26 @@ def assign_min_peak(
     starts = np.cumsum(sizes) - sizes
     used = n_E > 0
     P = int(base.max()) if R else 0
-    if used.any():
-        min_base = np.full(E, big, np.int64)
-        has = sizes > 0  # every used expert
+    has = sizes > 0  # every used expert
+    min_base = np.zeros(E, np.int64) if base_R is None else np.full(E, big, np.int64)
+    if base_R is not None and has.any():
         min_base[has] = np.minimum.reduceat(base[flat], starts[has])
+    if used.any():
         P = max(P, int((min_base[used] + -(-n_E[used] // sizes[used])).max()))
     single = used & (sizes == 1)  # experts with one holder must all land on it
+    plain = P
     if single.any():
         only = np.bincount(flat[starts[single]], weights=n_E[single], minlength=R).astype(np.int64)
-        P = max(P, int((base + only).max()))
+        P = plain = max(P, int((base + only).max()))
+        # A sharper start: those single-holder experts on e's holders must fit there beside e,
+        # so one of e's holders takes (n_e + theirs) / |H_e| on top of the smallest base. From
+        # any lower bound the search meets the same optimum and so the same flow; only an
+        # infeasible capacity's message depends on the peaks tried, so that case reruns from
+        # the plain bound.
+        multi = used & (sizes > 1)
+        if multi.any():
+            need = n_E[multi] + np.add.reduceat(only[flat], starts[has])[multi[has]]
+            P = max(P, int((min_base[multi] + -(-need // sizes[multi])).max()))
 
     holders_of_rank = experts_of_ranks(holder_lists, R)
     own = counts[rows, flat]  # rows of each expert from its holder's own rank (S == R)
@@ -287,7 +298,7 @@ def assign_min_peak(
     def solve(P: int):
         """Flow from the local start at peak P, raising P until complete. Returns (P, flow)."""
         limit = np.minimum(P, cap) - base
-        local = np.clip(limit[flat] - before, 0, own)
+        local = np.minimum(np.maximum(limit[flat] - before, 0), own)
         kept = local.tolist()
         flow = [dict(zip(hs, kept[a:b])) for hs, (a, b) in zip(holder_lists, bounds)]
         supply = (n_E - np.bincount(rows, local, E).astype(np.int64)).tolist()
@@ -309,7 +320,15 @@ def assign_min_peak(
                 slack[r] += min(new_P, cap_l[r]) - min(P, cap_l[r])
             P = new_P
 
-    best, flow = solve(P)
+    try:
+        best, flow = solve(P)
+    except ValueError:
+        if plain == P:
+            raise
+        best = None
+    if best is None:
+        solve(plain)  # the same infeasibility, met along the plain bound's peaks: its message
+        raise AssertionError("unreachable: the capacity is infeasible from any start")
     if best > P:  # the local start was cut at a too-low peak: start again from it at the optimum
         best, flow = solve(best)
     flow_l = np.fromiter(chain.from_iterable(f.values() for f in flow), np.int64, len(flat))

@@ -183,6 +183,20 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
                             break
             elif p < t:
                 supply[e] = t - p
+        for e in domain:  # rows that fit on a holder directly go there first
+            s = supply[e]
+            if s:
+                f = fl[e]
+                for r in holder_lists[e]:
+                    k = sl[r]
+                    if k > 0:
+                        d = s if s < k else k
+                        f[r] += d
+                        sl[r] = k - d
+                        s -= d
+                        if not s:
+                            break
+                supply[e] = s
         blocked = max_flow(fl, supply, sl, holder_lists, holders_of_rank, domain)
         for e in domain:
             pl[e] = target[e] - supply[e]
