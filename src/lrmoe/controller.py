@@ -140,11 +140,11 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
 
     How it is computed: a blocking set is the source side of the minimal minimum cut, the same
     for every maximum flow of the trial's targets, and it can only shrink when targets drop. So
-    each trial solves the max-flow only among the experts of the previous blocking set that
-    bounds it (the round's first one for the next round's start, the last one within a round),
-    warm-started from that flow. Leftover capacity is then handed out by the max-flow's path
-    order, which depends on the whole history of flows: where any is left for a frozen expert,
-    the reference implementation (:func:`_max_min_quotas_by_flows`) runs instead.
+    each trial solves the max-flow only among the experts of an earlier blocking set that bounds
+    it (the previous round's first set for a round's first trial, the previous trial's set
+    within a round), from whatever flow the last trial left. Leftover capacity is then handed
+    out in the max-flow's path order, which depends on the whole history of the flow: where any
+    is left for a frozen expert, the reference (:func:`_max_min_quotas_by_flows`) runs instead.
     """
     counts = counts_E.to(torch.long)
     c = counts.numpy()
@@ -158,8 +158,8 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
     c_l = c.tolist()
     c_f = [float(x) for x in c_l]
 
-    # The round-start flow (ρ = 1): a maximum flow of the round's first trial, whose experts
-    # outside its blocking set are all placed; a round's later trials work on a copy.
+    # One flow carried through every trial (any flow gives the same blocking sets, so it only
+    # needs to be valid): a trial moves it to its targets on its domain and augments.
     flow = [[0] * R for _ in range(E)]  # rows of expert e on rank r (holders only)
     placed = [0] * E
     slack = list(cap)
@@ -209,15 +209,11 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
         rho, tight = 1.0, None
         trial = list(target)
         blocked = trial_cut(flow, placed, slack, trial, domain)
-        work = None
+        first = True
         while blocked is not None:
             seen_e, seen_r = blocked
-            if work is None:  # the next round's trials are bounded by this round's first set
-                domain = seen_e
-                fl = list(flow)
-                for e in seen_e:
-                    fl[e] = flow[e][:]
-                work = (fl, list(placed), list(slack))
+            if first:  # the next round's trials are bounded by this round's first set
+                domain, first = seen_e, False
             active = [e for e in seen_e if not frozen[e]]
             room = sum(cap[r] for r in seen_r) - sum(target[e] for e in seen_e if frozen[e])
             if not active or len(active) > room:  # q(0, c) = 1: an active expert has c > 0
@@ -227,11 +223,14 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
                     f"need at least {need} kept rows, "
                     f"their holders {seen_r} can keep {sum(cap[r] for r in seen_r)}"
                 )
-            rho, tight = _largest_ratio(c[active], room), active
+            rho = _ratio_of([c_l[e] for e in active], room)  # active experts have pairs
+            if rho is None:
+                rho = _largest_ratio(c[active], room)
+            tight = active
             for e in active:
                 q = -((1e-6 - rho * c_f[e]) // 1.0)  # _quota_of(c_e, rho), inline
                 trial[e] = int(1.0 if q < 1.0 else (c_f[e] if q > c_f[e] else q))
-            blocked = trial_cut(*work, trial, seen_e)
+            blocked = trial_cut(flow, placed, slack, trial, seen_e)
         if tight is None:
             target = trial
             break
@@ -335,26 +334,9 @@ def _largest_ratio(c: np.ndarray, room: int) -> float:
     sits just below the (room − n + 1)-th of those steps, found among the few near the solution
     of the piecewise-linear relaxation; the grid points around it are checked against the exact
     sum, and the bisection runs where that check fails."""
-    counts = [x for x in c.tolist() if x > 0]
-    if sum(counts) <= room and max(counts, default=0) < 1 << 52:  # q(1, x) = x: all fit
-        return 1.0
-    extra = room - len(counts)  # steps above one pair each that fit
-    if extra < 0:
-        return 0.0  # even one pair each does not fit, at any ρ > 0
-    step = _step(counts, extra) if max(counts) < 1 << 52 else None
-    if step is not None:
-        floats = [float(x) for x in counts]
-        m = min(int(step / _GRID), _TOP)
-        for _ in range(4):
-            if m == 0 or _fits(floats, m * _GRID, room):
-                break
-            m -= 1
-        else:
-            m = -1
-        for _ in range(4 if m >= 0 else 0):
-            if m == _TOP or not _fits(floats, (m + 1) * _GRID, room):
-                return m * _GRID
-            m += 1
+    rho = _ratio_of([x for x in c.tolist() if x > 0], room)
+    if rho is not None:
+        return rho
     lo, hi = 0.0, 1.0
     for _ in range(50):  # q(ρ) is a step function; 50 halvings resolve every step
         mid = 0.5 * (lo + hi)
@@ -363,6 +345,31 @@ def _largest_ratio(c: np.ndarray, room: int) -> float:
         else:
             hi = mid
     return lo
+
+
+def _ratio_of(counts: list[int], room: int) -> float | None:
+    """:func:`_largest_ratio` of the positive ``counts``, or None where its check fails."""
+    if sum(counts) <= room and max(counts, default=0) < 1 << 52:  # q(1, x) = x: all fit
+        return 1.0
+    extra = room - len(counts)  # steps above one pair each that fit
+    if extra < 0:
+        return 0.0  # even one pair each does not fit, at any ρ > 0
+    step = _step(counts, extra) if max(counts) < 1 << 52 else None
+    if step is None:
+        return None
+    floats = [float(x) for x in counts]
+    m = min(int(step / _GRID), _TOP)
+    for _ in range(4):
+        if m == 0 or _fits(floats, m * _GRID, room):
+            break
+        m -= 1
+    else:
+        return None
+    for _ in range(4):
+        if m == _TOP or not _fits(floats, (m + 1) * _GRID, room):
+            return m * _GRID
+        m += 1
+    return None
 
 
 def _fits(counts: list[float], rho: float, room: int) -> bool:
