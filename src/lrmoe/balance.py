@@ -361,8 +361,7 @@ def _split_by_source(counts: np.ndarray, flow_l: np.ndarray, rows: np.ndarray, c
         moved = np.minimum(cs[rows], ch[:, None])
         moved -= np.maximum(cs0[rows], ch0[:, None])
         np.maximum(moved, 0, out=moved)
-        cell = (rows * (S * R) + cols)[:, None] + np.arange(0, S * R, R)[None, :]  # (e, s, cols[j])
-        assign.reshape(-1)[cell] = moved
+        assign[rows, :, cols] = moved  # (rows[j], cols[j]) are distinct
     # a source never sends rows to itself above (its own share or its own rows are used up)
     assign[rows, cols, cols] = keep
     return assign

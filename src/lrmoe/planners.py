@@ -287,8 +287,6 @@ def _in_order(supply_ES: np.ndarray, demand_ER: np.ndarray, group: np.ndarray | 
     north-west corner rule): laid end to end on one axis, source s and holder r exchange the
     overlap of their intervals. Adds the exchanged pairs to ``out`` (E, S, R) and, unless
     ``last``, takes them off supply and demand."""
-    E, S = supply_ES.shape
-    R = demand_ER.shape[1]
     e, r = np.nonzero(demand_ER)  # the holders still owed rows: few per expert
     if not len(e):
         return
@@ -302,7 +300,7 @@ def _in_order(supply_ES: np.ndarray, demand_ER: np.ndarray, group: np.ndarray | 
     np.maximum(moved, 0, out=moved)
     if group is not None:
         moved *= group[None, :] == group[r][:, None]
-    out.reshape(-1)[(e * (S * R) + r)[:, None] + np.arange(0, S * R, R)[None, :]] += moved
+    out[e, :, r] += moved  # the (e, r) are distinct
     if not last:
         demand_ER[e, r] -= moved.sum(1)
         first = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])  # e ascending: each expert's first holder
