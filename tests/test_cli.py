@@ -78,8 +78,8 @@ def _resolve(tmp_path: Path, **flags):
 
 
 @pytest.mark.parametrize("name,want", [
-    ("lrmoe-random@0.5", ("lrmoe", "random", 0.5)), ("masked@0.25", ("masked", "lrm", 0.25)),
-    ("lrmoe-sampled", ("lrmoe", "sampled", 1.0)), ("symi", ("symi", "lrm", 1.0)),
+    ("lrmoe-random@0.5", ("lrmoe", "random", 0.5)), ("masked@0.25", ("masked", "local-sampled", 0.25)),
+    ("lrmoe-sampled", ("lrmoe", "sampled", 1.0)), ("symi", ("symi", "local-sampled", 1.0)),
 ])
 def test_train_system_takes_compare_names(tmp_path, name, want):
     cfg = _resolve(tmp_path, system=name, set=["train.steps=3"])
