@@ -232,7 +232,7 @@ def assign_min_peak(
     Raises ``ValueError`` when the capacities cannot hold the pairs.
     """
     if isinstance(counts_ES, torch.Tensor) and counts_ES.dtype == torch.int64:
-        counts = np.ascontiguousarray(counts_ES.numpy())
+        counts = counts_ES.numpy()  # a view, perhaps transposed: copied once, in the split
     else:
         counts = np.asarray(counts_ES, dtype=np.int64)
     E, S = counts.shape
@@ -247,7 +247,7 @@ def assign_min_peak(
     n_E = counts.sum(1)
     holder_lists, flat, rows = holder_arrays(holders)
     sizes = np.bincount(rows, minlength=E)
-    if ((sizes == 0) & (n_E > 0)).any() or ((flat < 0) | (flat >= R)).any():
+    if (len(flat) and (flat.min() < 0 or flat.max() >= R)) or n_E[sizes == 0].any():
         for e, hs in enumerate(holder_lists):  # the first expert at fault, in expert order
             if not hs and n_E[e] > 0:
                 raise ValueError(f"expert {e} has {int(n_E[e])} pairs but no holder")
