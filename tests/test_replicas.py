@@ -153,9 +153,11 @@ def budget_case(group, fraction):
     assert s["peak_expert_side_bytes"] <= budget, (s["peak_expert_side_bytes"], budget)
     assert (s["quota_E"] <= s["counts_E"]).all()
     assert torch.equal(s["kept_E"], s["quota_E"])
-    # the gradients are those of the dense reference with exactly the kept pairs
+    # the gradients are those of the dense reference with exactly the kept pairs and weights
     keep = torch.cat(comm_gather_bool(layer.last_kept, group))
-    ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep)
+    scale = comm.all_gather(layer.last_scale, [int(n) for n in comm.all_gather(
+        torch.tensor([[hi - lo]]), [1] * world, group).flatten()], group)  # the default samples: 1/π
+    ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
     close("dx", xs.grad, ref_dx[lo:hi])
     grads = layer.gather_full_grads()
     for name, want in ref_grads.items():

@@ -57,15 +57,19 @@ class CapFitting:
         """What a compacting backward's expert side keeps from forward to backward, identical on
         every rank (decided from the plan alone): without a cap the fastest, x and activations
         (no re-sent x, no recompute); under a cap the richest mode whose predicted peak fits
-        every rank. Kept pairs are then computed where the forward computed them, so rank r's
-        backward rows are at most Σ_e min(its forward rows of e, q_e); x and activations need
-        an unchunked forward."""
+        every rank and, with a network budget, whose backward bytes fit it too. Kept pairs are then
+        computed where the forward computed them, so rank r's backward rows are at most
+        Σ_e min(its forward rows of e, q_e); x and activations need an unchunked forward."""
         if self.memory_R is None:
             return KEEP_X_ACTS
         rows_ER = assign_ESR.sum(1)
         fwd_R = rows_ER.sum(0).tolist()
         bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).tolist()
         chunk_R = chunk_rows_R or [None] * self.world
+        network_R = self.controller.network_R if self.controller is not None else None
+        if network_R is not None and any(  # kept rows' dy in and dx out, one kept byte per forward row
+                2 * self.bytes.row * int(bwd_R[r]) + int(fwd_R[r]) > network_R[r] for r in range(self.world)):
+            return KEEP_NOTHING  # only a re-spread of the kept pairs keeps every rank within its network
         for mode in KEEP_MODES[:-1]:
             if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):
                 continue
