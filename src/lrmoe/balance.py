@@ -293,14 +293,16 @@ def assign_min_peak(
     n_l = n_E.tolist()
     cap_l = cap.tolist()
     base_l = base.tolist()
-    bounds = list(zip(starts.tolist(), (starts + sizes).tolist()))
+    rows_l, flat_l = rows.tolist(), flat.tolist()
 
     def solve(P: int):
         """Flow from the local start at peak P, raising P until complete. Returns (P, flow)."""
         limit = np.minimum(P, cap) - base
         local = np.minimum(np.maximum(limit[flat] - before, 0), own)
-        kept = local.tolist()
-        flow = [dict(zip(hs, kept[a:b])) for hs, (a, b) in zip(holder_lists, bounds)]
+        flow = [[0] * R for _ in range(E)]  # rows of expert e on rank r (holders only)
+        for e, r, k in zip(rows_l, flat_l, local.tolist()):
+            if k:
+                flow[e][r] = k
         supply = (n_E - np.bincount(rows, local, E).astype(np.int64)).tolist()
         slack = (limit - np.bincount(flat, local, R).astype(np.int64)).tolist()
         while True:
@@ -331,7 +333,7 @@ def assign_min_peak(
         raise AssertionError("unreachable: the capacity is infeasible from any start")
     if best > P:  # the local start was cut at a too-low peak: start again from it at the optimum
         best, flow = solve(best)
-    flow_l = np.fromiter(chain.from_iterable(f.values() for f in flow), np.int64, len(flat))
+    flow_l = np.fromiter((flow[e][r] for e, r in zip(rows_l, flat_l)), np.int64, len(flat))
     return torch.from_numpy(_split_by_source(counts, flow_l, rows, flat))
 
 
