@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lrmoe.balance import assign_min_peak
-from lrmoe.quotas import _largest_ratio, max_min_quotas
 from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
 from lrmoe.planners import CostModel, laer_layout, localize, shadow_experts
+from lrmoe.quotas import _largest_ratio, max_min_quotas
 
 # ---------------------------------------------------------------------------------------------
 # Reference: the implementations before the speed-ups (lrmoe.balance, lrmoe.controller,
