@@ -37,14 +37,12 @@ def position_in_block(sorted_groups: torch.Tensor, sizes_G: torch.Tensor) -> tor
     return torch.arange(sorted_groups.numel(), device=sorted_groups.device) - starts[sorted_groups]
 
 
-def _segment_cumsum(x: torch.Tensor, sizes_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive and exclusive cumulative sums inside each block of a block-sorted vector."""
+def _segment_cumsum(x: torch.Tensor, groups: torch.Tensor, sizes_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive and exclusive cumulative sums inside each block of a block-sorted vector
+    (``groups``: each element's block, ascending)."""
     total = x.cumsum(0)
-    starts = sizes_G.cumsum(0) - sizes_G
-    base_G = torch.where(starts > 0, total[(starts - 1).clamp(min=0)], torch.zeros_like(starts, dtype=x.dtype)) \
-        if total.numel() else torch.zeros_like(starts, dtype=x.dtype)
-    groups = torch.repeat_interleave(torch.arange(sizes_G.numel(), device=x.device), sizes_G)
-    incl = total - base_G[groups]
+    start = (sizes_G.cumsum(0) - sizes_G)[groups]  # index of each element's block start
+    incl = total - torch.where(start > 0, total[(start - 1).clamp(min=0)], torch.zeros_like(total))
     return incl, incl - x
 
 
@@ -63,7 +61,7 @@ def inclusion_probabilities(score_P: torch.Tensor, groups_P: torch.Tensor, quota
     q, n = q_G[g], n_G[g].to(torch.float64)
     # tail sums T_m = Σ_{i ≥ m} s_i inside each block; pair m is capped iff m < q and
     # s_m·(q − m) ≥ T_m, a prefix of the block (the condition only weakens as m grows)
-    incl, excl = _segment_cumsum(s, n_G)
+    incl, excl = _segment_cumsum(s, g, n_G)
     block_total = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, s)
     tail = block_total[g] - excl
     capped = (pos < q) & (s * (q - pos) >= tail) & (tail > 0)
@@ -89,7 +87,7 @@ def systematic_sample(order: torch.Tensor, pi_sorted: torch.Tensor, groups_P: to
     total_G = torch.zeros_like(q_G).index_add_(0, g, pi_sorted)
     # rescale each block's line to length exactly q (float rounding of Σ π), so the q points fit
     scaled = pi_sorted * torch.where(total_G > 0, q_G / total_G.clamp(min=1e-300), torch.zeros_like(q_G))[g]
-    incl, excl = _segment_cumsum(scaled, sizes_G)
+    incl, excl = _segment_cumsum(scaled, g, sizes_G)
     u = (u_G.to(q_G) * (1 - 2 * _EDGE) + _EDGE)[g]
     hits = torch.ceil(incl - u) - torch.ceil(excl - u)  # points in (excl, incl] shifted by u
     keep = torch.zeros(order.numel(), dtype=torch.bool, device=order.device)

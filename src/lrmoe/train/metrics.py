@@ -56,7 +56,8 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
     sm = torch.tensor([sum(s.get("fwd_a2a_bytes", 0) + s.get("bwd_a2a_bytes", 0) for s in stats),
                        sum(s.get("placement_bytes", 0) for s in stats),
                        sum(s.get("bwd_a2a_bytes", 0) for s in stats),
-                       sum(s.get("fwd_a2a_inter_bytes", 0) + s.get("bwd_a2a_inter_bytes", 0) for s in stats)],
+                       sum(s.get("fwd_a2a_inter_bytes", 0) + s.get("bwd_a2a_inter_bytes", 0) for s in stats),
+                       sum(s.get("replica_slots", 0) for s in stats) / max(len(stats), 1)],
                       dtype=torch.float64)
     all_reduce(mx, groups.world_group, dist.ReduceOp.MAX)
     all_reduce(sm, groups.world_group)
@@ -73,15 +74,9 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
         "kept_ratio": float(kept.sum() / counts.sum().clamp(min=1)),
         "load_min": counts.min(1).values.tolist(), "load_max": counts.max(1).values.tolist(),
         "load_cv": (counts.std(1, unbiased=False) / mean).tolist(),
-        "replica_slots": _mean_over_ranks([s.get("replica_slots", 0) for s in stats], groups),
+        "replica_slots": float(sm[4]) / groups.world,  # mean over layers, then over ranks
         "_counts": counts,
     }
-
-
-def _mean_over_ranks(values: list[float], groups: Groups) -> float:
-    """Mean over layers of this rank's values, then over the ranks."""
-    t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64)
-    return float(all_reduce(t, groups.world_group)) / groups.world
 
 
 def read_metrics(folder: Path) -> list[dict]:
