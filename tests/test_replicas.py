@@ -25,7 +25,7 @@ def skewed_tokens(cfg, n, seed, skew):
     return sd, x, g
 
 
-def replicated_case(group, system, steps, skew, budget_bytes=None):
+def replicated_case(group, system, steps, skew, budget_bytes=None, link_gbps=None):
     """Run ``steps`` optimizer-free iterations (step_end between them, placement re-planned)
     and compare every call with the dense reference and the static system."""
     cfg = MoEConfig(**CFG)
@@ -35,7 +35,7 @@ def replicated_case(group, system, steps, skew, budget_bytes=None):
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     kwargs = {}
     if budget_bytes is not None:
-        kwargs = dict(budget=ClusterBudget(budget_bytes), replan_interval=1)
+        kwargs = dict(budget=ClusterBudget(budget_bytes, inter_node_gbps=link_gbps), replan_interval=1)
     layer = MoELayer(cfg, system=system, group=group, **kwargs)
     layer.load_full_state_dict(sd)
     static = MoELayer(cfg, group=group)
@@ -78,8 +78,14 @@ def test_symi_equals_static_and_reference(pool, world, skew):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_budgeted_lrmoe_with_ample_budget_is_exact(pool, world):
-    res = pool.run(world, replicated_case, "lrmoe", 2, "hot", 50_000_000)
-    assert any(len(h) > 1 for h in res[0][0][-1])
+    """Exact with and without replicas: a link fast enough that replicating the hot expert pays
+    (the cost search takes replicas), and the default link, at which at these tiny shapes a
+    replica's refresh costs more than the rows it moves (owned experts only)."""
+    fast = pool.run(world, replicated_case, "lrmoe", 3, "hot", 50_000_000, 1e6)
+    assert [len(h) for h in fast[0][0][0]] == [1] * 8, "no replicas before the first call's counts"
+    assert len(fast[0][0][-1][0]) > 1, "the hot expert replicated"
+    slow = pool.run(world, replicated_case, "lrmoe", 2, "hot", 50_000_000)
+    assert all(len(h) == 1 for h in slow[0][0][-1])
 
 
 def test_replica_planner():
@@ -321,3 +327,62 @@ def test_network_budget_bounds_kept_rows(pool):
     tight = pool.run(2, network_case, 40 * 3 * 16 * 4)[0]
     loose = pool.run(2, network_case, 10**9)[0]
     assert tight < loose == 512
+
+
+# ------------------------------------------------------------- lrmoe's replicas chosen by cost
+
+
+def _lrmoe_planner(cap: int, link_gbps: float | None = None, dim: int = 64, ffn: int = 128):
+    from lrmoe.plan import LayerPlanner
+    from lrmoe.systems import spec_of
+
+    cfg = MoEConfig(dim=dim, ffn_dim=ffn, num_experts=8, top_k=2)
+    return LayerPlanner(spec_of("lrmoe"), cfg, 2, budget=ClusterBudget(cap, inter_node_gbps=link_gbps))
+
+
+def test_replica_candidates():
+    from lrmoe.plan import replica_candidates
+
+    assert replica_candidates(0) == [0]
+    assert replica_candidates(2) == [0, 1, 2]
+    assert replica_candidates(20) == [0, 1, 2, 3, 4, 6, 8, 12, 16, 20]
+
+
+@pytest.mark.parametrize("link_gbps, want_replicas", [(1e6, True), (1e-3, False)])
+def test_lrmoe_replicas_follow_their_cost(link_gbps, want_replicas):
+    """One hot expert, an ample cap: every plan keeps every pair, so the predicted time decides:
+    replicating the hot expert pays on a fast link and not on a slow one. Re-planned every step,
+    from the last call's counts; before any call, owned experts only."""
+    planner = _lrmoe_planner(50_000_000, link_gbps)
+    assert planner.placement.num_copies == 8 and planner.replan_interval == 1
+    counts_SE = torch.tensor([[400, 10, 10, 10, 10, 10, 10, 10]] * 2)
+    for _ in range(2):
+        plan = planner.plan_call(counts_SE)
+        assert int(plan.quota_E.sum()) == int(counts_SE.sum()), "an ample cap keeps every pair"
+        planner.step_end()
+    assert (len(planner.placement.holders(0)) > 1) == want_replicas
+    if not want_replicas:
+        assert planner.placement.num_copies == 8
+
+
+def test_lrmoe_replicas_that_cost_kept_rows_are_not_taken():
+    """Under a cap that binds, a replica's memory would hold kept rows instead: with a balanced
+    load the search keeps owned experts only, even on a free link, and keeps at least as many
+    pairs as a plan with one replica slot a rank (fixed slots) would, where that one fits at all."""
+    from lrmoe.plan import LayerPlanner
+    from lrmoe.systems import spec_of
+
+    counts_SE = torch.tensor([[60] * 8] * 2)
+    bm = ByteModel.of(MoEConfig(dim=64, ffn_dim=128, num_experts=8, top_k=2))
+    cap = 4 * bm.slot + 480 * bm.fwd_io + 320 * bm.bwd_kept  # room for about 2/3 of a rank's 480 rows
+    planner = _lrmoe_planner(cap, 1e6)
+    for _ in range(2):
+        kept = int(planner.plan_call(counts_SE).quota_E.sum())
+        planner.step_end()
+    assert planner.placement.num_copies == 8, "no replica"
+    assert 0 < kept < int(counts_SE.sum()), "the cap binds"
+    try:
+        fixed = LayerPlanner(spec_of("lrmoe"), planner.config, 2, budget=ClusterBudget(cap, slots=5))
+        assert kept > int(fixed.plan_call(counts_SE).quota_E.sum())
+    except MemoryBudgetExceeded:
+        pass  # a replica slot does not even fit beside the forward's rows

@@ -3,7 +3,7 @@
     lrmoe train    --config FILE [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
                    [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--max-restarts R]
     lrmoe compare  --config FILE [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
-                   [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite]
+                   [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--memory-caps A,B,C]
     lrmoe simulate --model NAME --gpus N --gpu-memory GIB[,GIB...] --out DIR [options]
 
 Ranks are launched through ``torch.distributed.run`` (gloo on CPU, NCCL on CUDA). A user error
@@ -81,14 +81,20 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    """``lrmoe compare``: the systems of the flag or the config, run by :func:`run_compare`."""
+    """``lrmoe compare``: the systems of the flag or the config, run by :func:`run_compare`, or
+    with ``--memory-caps`` at each cap by :func:`run_sweep`."""
     from lrmoe.train.compare import run_compare
+    from lrmoe.train.sweep import parse_caps, run_sweep
 
     cfg = _resolve(args)
+    caps = parse_caps(args.memory_caps) if args.memory_caps is not None else None
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
     out = Path(args.out or "runs/compare")
     check_out(out, args.resume, args.overwrite)
-    run_compare(cfg, systems, out, resume=args.resume)
+    if caps is None:
+        run_compare(cfg, systems, out, resume=args.resume)
+    else:
+        run_sweep(cfg, systems, caps, out, resume=args.resume)
 
 
 def _floats(flag: str, text: str) -> tuple[float, ...]:
@@ -142,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--out", help="output folder (default runs/compare); a used one needs --resume or --overwrite")
     cp.add_argument("--resume", action="store_true",
                     help="keep the systems whose runs in --out finished with the same config; run the rest")
+    cp.add_argument("--memory-caps", metavar="A,B,C",
+                    help="run the comparison at each per-rank memory cap (bytes such as 70MB or 66.8MiB, or a "
+                         "fraction of the uncapped reference's peak such as 0.8x) and plot MoE time to target "
+                         "against the cap (sweep.json, sweep.png)")
     cp.set_defaults(fn=cmd_compare)
     sm = sub.add_parser("simulate", help="paper-scale projection of time to target and memory (docs/simulation.md)")
     sm.add_argument("--model", required=True, help="qwen3-30b-a3b, glm45-air or all")

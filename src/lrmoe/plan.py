@@ -40,6 +40,7 @@ from lrmoe import planners
 from lrmoe.balance import assign_min_peak
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.controller import Controller
+from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.fit import CapFitting
 from lrmoe.meter import ByteModel, expert_param_bytes
 from lrmoe.placement import Placement, plan_replicas
@@ -51,6 +52,16 @@ ADAM_STATES = planners.ADAM_STATES  # optimizer_bytes assumes Adam(W): two momen
 SMARTMOE_POOL = 4  # placements in SmartMoE's offline pool
 SMARTMOE_WARMUP = 20  # without a given trace, SmartMoE records this many calls' loads first
 FLEXMOE_HORIZON = 10  # steps a FlexMoE re-placement is expected to last when weighing its cost
+
+
+def replica_candidates(most: int) -> list[int]:
+    """Extra slots per rank a cost search tries: 0..3, then powers of two and their 1.5×, up to
+    ``most`` (a few plans to score at any scale, dense where one replica matters most)."""
+    out, k = {0, 1, 2, 3}, 4
+    while k < most:
+        out.update((k, k + k // 2))
+        k *= 2
+    return sorted(c for c in out | {most} if c <= most)
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,8 @@ class LayerPlanner(CapFitting):
         self.memory_R, _, self.fixed_slots_R = budget.per_rank(world) if budget is not None else (None, None, None)
         use_controller = self.memory_R is not None and spec.planner is Planner.CONTROLLER
         self.controller = Controller(config, budget, world) if use_controller else None
+        if use_controller:  # replicas chosen by cost every step (:meth:`_controller_replicas`)
+            self.replan_interval = 1
         # a cap this planner keeps every call within by the byte model (lrmoe: its controller does)
         self.capped = self.memory_R is not None and self.controller is None
         self.bytes = ByteModel.of(config, spec.selective)
@@ -159,8 +172,49 @@ class LayerPlanner(CapFitting):
         if self.capped and self.fixed_slots_R is None and self._last_SE is not None:
             fit, self.slots_R, _ = self._search_slots(self._step_placement, self.default_slots_R, self._last_SE, True)
             self._adopt(fit.placement if fit is not None else self._step_placement(self.slots_R))
+        elif self.controller is not None and self.fixed_slots_R is None:
+            self._adopt(self._controller_replicas())
         else:
             self._adopt(self._step_placement(self.slots_R))
+
+    def _controller_replicas(self) -> Placement:
+        """lrmoe's replicas under its budget, chosen by cost at every step (docs/design.md "The
+        paper's regime"). For k extra slots per rank (0, 1, 2, 3, 4, 6, 8, ... up to the
+        controller's share of memory), replicas ∝ the smoothed load; on the last training call's
+        counts each plan whose forward fits is scored by the pairs the controller's quotas keep
+        and by a predicted time: the slowest rank's forward rows and kept backward rows at the
+        cost model's GEMM rate, plus every replica's refresh and gradient bytes at its link rate.
+        Among the plans that keep at least 99 % of the most kept pairs, the fastest wins (ties:
+        fewer replicas). A replica costs memory (its slot, its gradient buffer, and, for a rank's
+        first, a second copy of the owned weights) that would otherwise hold kept rows, so under
+        a tight cap replicas are taken only where the imbalance they remove is worth more.
+        Before any call: owned experts only."""
+        if self._last_SE is None:
+            return self.base
+        owned_R = [len(self.base.owned(r)) for r in range(self.world)]
+        extra_R = [s - o for s, o in zip(self.default_slots_R, owned_R)]
+        counts_SE, counts_E = self._last_SE, self._last_SE.sum(0)
+        row_s, byte_s = self.costs.row_s, self.costs.byte_s
+        scored = []
+        for k in replica_candidates(max(extra_R)):
+            slots_R = [o + min(k, x) for o, x in zip(owned_R, extra_R)]
+            placement = plan_replicas(self.base, self.load_E, slots_R) if k else self.base
+            try:
+                assign_ESR, _ = self._controller_forward(counts_SE, placement, self.assign(counts_SE, placement))
+                quota_E = self.controller.quotas(counts_E, placement)
+            except MemoryBudgetExceeded:
+                continue
+            rows_ER = assign_ESR.sum(1)
+            fwd, bwd = rows_ER.sum(0).max(), torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).max()
+            replicas = placement.num_copies - self.config.num_experts
+            time = (int(fwd) + 2 * int(bwd)) * row_s / 3 + replicas * 2 * self.bytes.slot_params * byte_s
+            scored.append((int(quota_E.sum()), time, replicas, placement))
+            if replicas == 0 and k:
+                break  # no slot beyond the owned ones: larger k plans the same
+        if not scored:
+            return self.base
+        most = max(kept for kept, *_ in scored)
+        return min((s for s in scored if s[0] >= 0.99 * most), key=lambda s: (s[1], s[2]))[3]
 
     def _adopt(self, placement: Placement) -> None:
         """Make ``placement`` this layer's replica plan (flexmoe: the optimizer state it binds)."""
@@ -264,7 +318,7 @@ class LayerPlanner(CapFitting):
         forward_SE = counts_SE if forward_SE is None else forward_SE
         if training:
             self.observe(counts_SE.sum(0))
-            if self.capped:
+            if self.capped or self.controller is not None:
                 self._last_SE = forward_SE.clone()
         per_call = self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED)
         fetch = self.spec.placement is PlacementKind.PER_CALL
@@ -278,7 +332,16 @@ class LayerPlanner(CapFitting):
             placement = self.placement
             assign_ESR = self.assign(forward_SE, placement)
             if self.controller is not None:
-                assign_ESR, chunk_rows_R = self._controller_forward(forward_SE, placement, assign_ESR)
+                try:
+                    assign_ESR, chunk_rows_R = self._controller_forward(forward_SE, placement, assign_ESR)
+                except MemoryBudgetExceeded:
+                    if not (training and self.keeps_replicas and self.fixed_slots_R is None):
+                        raise
+                    # re-plan the replicas by this call's rows; the new copies are fetched before any row moves
+                    self._adopt(self._controller_replicas())
+                    placement, fetch = self.placement, True
+                    assign_ESR, chunk_rows_R = self._controller_forward(forward_SE, placement,
+                                                                        self.assign(forward_SE, placement))
         if self.spec.selective and training:
             kept_capacity_R = self.controller.kept_capacity(placement) if self.controller is not None else None
             quota_E = self.quotas(counts_SE.sum(0), placement, kept_capacity_R)

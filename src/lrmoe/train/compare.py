@@ -5,10 +5,14 @@ The target is the validation loss the reference system (``static``) reaches at
 until its validation loss reaches the target or ``budget_factor`` × the reference's budget.
 Written to the output folder:
 
-- ``results.json``: ``{"target_loss", "unigram_loss", "systems": {name: {"steps_to_target",
-  "moe_time_to_target_s", "final_val_loss", "bwd_a2a_bytes", "peak_expert_side_bytes", "a2a_bytes",
-  "placement_bytes"}}}`` (bytes totalled over the run, memory the max over ranks; null where
-  never reached);
+- ``results.json``: ``{"target_loss", "unigram_loss", "systems": {name: {...}}, "details"}`` with,
+  per system, ``status`` (``reached``, ``never`` within its steps, ``oom``: a layer call did not
+  fit the memory cap, at ``oom_step``), ``steps_to_target``, ``moe_time_to_target_s`` (null where
+  not reached), ``final_val_loss``, ``steps_run``, ``moe_ms_per_step`` (over the run),
+  ``bwd_a2a_bytes``, ``a2a_bytes``, ``placement_bytes`` (totalled over the run),
+  ``peak_expert_side_bytes`` (max over steps and ranks), ``memory_cap_bytes``,
+  ``mean_kept_ratio``, ``replica_slots`` and ``mean_load_cv`` (expert-load coefficient of
+  variation; means over steps);
 - ``report.md``: the table; ``val_loss_vs_moe_time.png``, ``kept_ratio.png``,
   ``expert_load.png``: the plots (:mod:`lrmoe.train.report`); one folder per system with its own run.
 """
@@ -30,7 +34,7 @@ from lrmoe.train.report import plots, report
 
 RESULT_KEYS = ("status", "steps_to_target", "moe_time_to_target_s", "final_val_loss", "steps_run", "bwd_a2a_bytes",
                "peak_expert_side_bytes", "a2a_bytes", "placement_bytes", "mean_kept_ratio", "replica_slots",
-               "memory_cap_bytes")
+               "memory_cap_bytes", "oom_step", "moe_ms_per_step", "mean_load_cv")
 
 
 def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunConfig:
@@ -84,6 +88,8 @@ def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int
         "moe_time_s": rows[-1]["moe_time_s"] if rows else 0.0,
         "placement_bytes": int(sum(r.get("placement_bytes", 0) for r in rows)),
         "mean_kept_ratio": float(np.mean([r["kept_ratio"] for r in rows])) if rows else None,
+        "moe_ms_per_step": 1e3 * rows[-1]["moe_time_s"] / rows[-1]["step"] if rows else None,
+        "mean_load_cv": float(np.mean([r["load_cv"] for r in rows if "load_cv" in r])) if rows else None,
     }
 
 
@@ -102,10 +108,13 @@ def budget_steps(cfg: RunConfig) -> tuple[int, int, int]:
     return steps, at, math.ceil(cfg.compare.budget_factor * steps)
 
 
-def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: bool = False) -> dict:
+def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: bool = False,
+                reference_done: bool = False) -> dict:
     """Run the reference, take the target from it, run every other system to the target or its
     step cap; write results.json, config.toml, report.md and the plots; returns results.json's
-    document. With ``resume``, a system whose run in ``out`` finished with the same config is kept."""
+    document. With ``resume``, a system whose run in ``out`` finished with the same config is kept;
+    with ``reference_done``, ``out`` already holds the reference's finished run (a cap sweep's
+    shared one, :mod:`lrmoe.train.sweep`)."""
     for name in systems:
         system_config(cfg, name)  # validate every name before running anything
     steps, target_step, max_steps = budget_steps(cfg)
@@ -128,7 +137,10 @@ def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: boo
         print(f"-- {folder}", flush=True)
         return launch(run_cfg, out / folder, **kw)
 
-    summary = run(ref, ref_run, uncapped, eval_at=(target_step,))
+    if reference_done:
+        summary = json.loads((out / ref_run / "summary.json").read_text())
+    else:
+        summary = run(ref, ref_run, uncapped, eval_at=(target_step,))
     target = cfg.compare.target_loss or target_from_reference(out / ref_run, target_step)
     others = [n for n in systems if n != ref_run and not (cap is None and n == ref)]
     for name in others:

@@ -25,7 +25,7 @@ from lrmoe.train.config import ConfigError, RunConfig, dump_toml
 from lrmoe.train.data import TokenData, check_fits
 
 USER_ERROR_EXIT = 3  # a rank's exit status after it wrote a user error to the error file
-RUN_FILES = ("config.toml", "metrics.jsonl", "routing.npz", "summary.json", "results.json", "report.md")
+RUN_FILES = ("config.toml", "metrics.jsonl", "routing.npz", "summary.json", "results.json", "report.md", "sweep.json")
 
 
 class RankError(ValueError):
@@ -64,7 +64,9 @@ def clear_outputs(out: Path) -> None:
         return
     compare_folder = (out / "results.json").exists() or any(p.is_dir() and is_run_folder(p) for p in out.iterdir())
     for p in out.iterdir():
-        if p.is_dir() and p.name == "ckpt":
+        if p.is_symlink() and is_run_folder(p):  # a cap sweep's link to its shared reference run
+            p.unlink()
+        elif p.is_dir() and p.name == "ckpt":
             shutil.rmtree(p)
         elif p.is_dir() and is_run_folder(p):
             clear_outputs(p)

@@ -10,16 +10,36 @@ import numpy as np
 from lrmoe.train.metrics import read_metrics
 
 
+def breakdown(systems: dict[str, dict], baseline: str = "symi") -> list[str]:
+    """Each system's MoE time to target against ``baseline``'s, split into the ratio of steps to
+    target and the ratio of MoE time per step to target (their product)."""
+    base = systems.get(baseline)
+    if base is None or base.get("status") != "reached":
+        return []
+    lines = [f"MoE time to target against {baseline}, split into steps × MoE time per step:", "",
+             "| system | MoE time to target | = steps to target | × MoE time per step |", "|---|---|---|---|"]
+    per_step = base["moe_time_to_target_s"] / base["steps_to_target"]
+    for name, r in systems.items():
+        if name == baseline or r.get("status") != "reached":
+            continue
+        steps = r["steps_to_target"] / base["steps_to_target"]
+        time = r["moe_time_to_target_s"] / base["moe_time_to_target_s"]
+        lines.append(f"| {name} | {time:.3f}× | {steps:.3f}× | "
+                     f"{r['moe_time_to_target_s'] / r['steps_to_target'] / per_step:.3f}× |")
+    return [*lines, ""]
+
+
 def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -> str:
-    """Write ``report.md``, one table row per system, and return its text for the terminal."""
+    """Write ``report.md``, one table row per system and the breakdown against symi (when it
+    reached the target), and return its text for the terminal."""
     lines = [
         "# lrmoe compare", "",
         f"Target validation loss: **{target:.4f}** (unigram loss of the corpus: {unigram:.4f}; "
         f"the target is {100 * (1 - target / unigram):.1f}% below it).", "",
         "| system | steps to target | MoE time to target (s) | final val loss | steps run | a2a bytes / step | "
         "bwd a2a bytes / step | peak expert-side bytes | memory cap | replica slots | mean kept ratio | "
-        "placement bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "placement bytes | MoE ms / step | load CV |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(v, spec):
@@ -35,8 +55,9 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
             f"{fmt(r['final_val_loss'], '.4f')} | {r['steps_run']} | {r['a2a_bytes'] // steps:,} | "
             f"{r['bwd_a2a_bytes'] // steps:,} | {r['peak_expert_side_bytes']:,} | "
             f"{'none' if cap is None else format(cap, ',')} | {fmt(r.get('replica_slots'), '.2f')} | "
-            f"{fmt(r['mean_kept_ratio'], '.3f')} | {r['placement_bytes']:,} |")
-    lines += ["", "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
+            f"{fmt(r['mean_kept_ratio'], '.3f')} | {r['placement_bytes']:,} | "
+            f"{fmt(r.get('moe_ms_per_step'), '.1f')} | {fmt(r.get('mean_load_cv'), '.2f')} |")
+    lines += ["", *breakdown(systems), "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
     return text
