@@ -29,7 +29,8 @@ from lrmoe.meter import ByteModel
 from lrmoe.placement import Placement
 from lrmoe.quotas import max_min_quotas
 
-# Share of the memory left after owned experts that a budget-derived plan may give to replicas.
+# Share of the memory left after owned experts that replicas may take at most: the ceiling of
+# the cost search that chooses lrmoe's replicas every step (lrmoe.plan.LayerPlanner._controller_replicas).
 REPLICA_MEMORY_SHARE = 0.25
 
 
@@ -44,7 +45,7 @@ class Controller:
     # ------------------------------------------------------------------ slots
     def slots(self, base: Placement) -> list[int]:
         """Expert slots per rank: the budget's fixed slots, or owned experts plus a share of the
-        remaining memory. Raises :class:`MemoryBudgetExceeded` if a rank cannot hold one copy of
+        remaining memory (the most the per-step cost search may use). Raises :class:`MemoryBudgetExceeded` if a rank cannot hold one copy of
         each expert it owns."""
         out = []
         for r in range(self.world):
