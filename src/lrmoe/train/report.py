@@ -223,9 +223,9 @@ def _kept_ratio_figure(plt, out: Path, records: dict[str, list[dict]], style: di
     given as a dotted line; a note names the systems that kept everything."""
     fig, ax = plt.subplots(figsize=(11, 4.2), layout="constrained")
     kept = {n: [(r["step"], r["kept_ratio"]) for r in rows if "kept_ratio" in r] for n, rows in records.items()}
-    longest = max((len(k) for k in kept.values()), default=0)
+    longest = max((k[-1][0] for k in kept.values() if k), default=0)
     window = max(1, min(50, round(longest / 40)))
-    drawn, full = [], []
+    drawn, full, lows = [], [], []
     for n, pairs in kept.items():
         if not pairs:
             continue
@@ -234,11 +234,13 @@ def _kept_ratio_figure(plt, out: Path, records: dict[str, list[dict]], style: di
             full.append(n)
             continue
         drawn.append(n)
-        ax.plot(steps, rolling_mean(ratio, window), lw=1.4, **style[n],
-                label=f"{n} (mean {ratio.mean():.3f})")
+        smooth = rolling_mean(ratio, window)
+        ax.plot(steps, smooth, lw=1.4, **style[n], label=f"{n} (mean {ratio.mean():.3f})")
+        lows.append(float(smooth.min()))
         given = _config(out / n).get("backward", {}).get("ratio")
         if isinstance(given, (int, float)) and given < 1.0:
             ax.axhline(given, color=style[n]["color"], ls=":", lw=1)
+            lows.append(float(given))
     everything = all(r == 1.0 for pairs in kept.values() for _, r in pairs)
     notes = []
     if everything:
@@ -253,7 +255,6 @@ def _kept_ratio_figure(plt, out: Path, records: dict[str, list[dict]], style: di
                 fontsize="large" if not drawn else "small", ha="center" if not drawn else "left",
                 va="center" if not drawn else "bottom", wrap=True)
     ax.set_xlim(0, max(longest, 1) + 1)
-    lows = [r for n in drawn for _, r in kept[n]]
     ax.set_ylim(max(0.0, min(lows, default=1.0) - 0.1) if not everything else 0.0, 1.03)
     ax.set_xlabel("step")
     ax.set_ylabel("kept ratio (backward pairs)")
