@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from tqdm import tqdm
 
 from lrmoe.cli import main
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.layer import MoELayer
 from lrmoe.selection import fixed_ratio_quota
+from lrmoe.sim.budget import GIB
 from lrmoe.sim.errors import SimError
+from lrmoe.sim.host import PlanningReference
 from lrmoe.sim.memory import RankWork, expert_side_peak
-from lrmoe.sim.run import SimConfig, simulate
+from lrmoe.sim.plan import SystemPlanner
+from lrmoe.sim.report import table_md
+from lrmoe.sim.run import Projection, SimConfig, routing_counts, simulate
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import rescale_counts, split_sources, zipf_counts
+from lrmoe.sim.whatif import what_if
 from tests.pool import RankPool
 
 CFG = MoEConfig(dim=32, ffn_dim=48, num_experts=8, top_k=2)
@@ -134,12 +141,12 @@ def test_lrmoe_device_time_below_static_on_skewed_trace(tmp_path):
                     tokens_per_gpu=4096, ratios=(0.5,))
     doc, _ = simulate(cfg, progress=False)
     rows = doc["caps"]["200"]
-    lr = rows["lrmoe-sampled@0.5"]
+    lr = rows["lrmoe-local-sampled@0.5"]
     assert lr["kept_ratio"] < 0.55
     # device time (host planning, measured on this machine, left out): backward rows halved and
     # replicas spread the hot experts, at the price of refreshing them every step
-    device = {n: r["layer_ms"]["total"] - r["layer_ms"]["host"] for n, r in rows.items()}
-    assert device["lrmoe-sampled@0.5"] <= device["static"]
+    device = {n: r["device_step_ms"] for n, r in rows.items()}
+    assert device["lrmoe-local-sampled@0.5"] <= device["static"]
     assert lr["layer_ms"]["bwd_a2a"] < rows["static"]["layer_ms"]["bwd_a2a"]
     assert lr["peak_expert_side_bytes"] < rows["static"]["peak_expert_side_bytes"]
 
@@ -152,15 +159,17 @@ def test_cli_writes_table_and_results(tmp_path):
     main(["simulate", "--model", "all", "--gpus", "32", "--gpu-memory", "60,100", "--steps", "2", "--layers", "1",
           "--tokens-per-gpu", "256", "--quiet", "--out", str(out)])
     doc = json.loads((out / "results.json").read_text())
-    assert set(doc) == {"qwen3-30b-a3b", "glm45-air", "_meta"}
+    assert set(doc) == {"qwen3-30b-a3b", "glm45-air", "_meta", "_what_if"}
     for model in ("qwen3-30b-a3b", "glm45-air"):
         assert set(doc[model]) == {"60", "100"}
         for cap in doc[model].values():
-            assert {"static", "symi", "capacity", "lrmoe-sampled@0.5"} <= set(cap)
+            assert {"static", "symi", "capacity", "lrmoe-local-sampled"} <= set(cap)
             for row in cap.values():
                 assert set(row) >= KEYS
     table = (out / "table.md").read_text()
     assert "## qwen3-30b-a3b" in table and "## glm45-air" in table and "vs symi" in table
+    assert "## What if" in table and set(doc["_what_if"]["qwen3-30b-a3b"]["60"]["lrmoe-local-sampled"]) == \
+        {"1.00", "1.05", "measured"}
     assert (out / "memory_sensitivity.png").stat().st_size > 0 and (out / "bandwidth_sensitivity.png").exists()
 
 
@@ -184,3 +193,119 @@ def test_bad_trace_content(tmp_path):
     np.savez_compressed(p, counts=np.zeros((2, 1, 4), np.float32))
     with pytest.raises(SimError, match="pairs in every step"):
         simulate(SimConfig(model="qwen3-30b-a3b", gpus=64, memory_caps_gib=(80.0,), trace=str(p)), progress=False)
+
+
+# ---------------------------------------------------------------------------------- fair rules
+def test_symi_slot_search_goes_upward_when_that_helps():
+    """Qwen3-30B-A3B on 64 GPUs: symi's default (3 slots a rank) holds more step memory than 4
+    slots (spreading the hottest experts shrinks the hottest rank's kept activations); at a cap
+    between the two, the search must go upward from the default, not down."""
+    cfg = SimConfig(model="qwen3-30b-a3b", gpus=64, memory_caps_gib=(64.0,), steps=2, layers=1)
+    counts, layers, _ = routing_counts(cfg)
+    proj = Projection(cfg, counts, layers, PlanningReference.load(), tqdm(disable=True))
+    cands = proj.symi_candidates()
+    default = next(c for c in cands if c["default"])
+    above = [c for c in cands if c["slots"] > default["slots"] and c["step_peak_bytes"] < default["step_peak_bytes"]]
+    assert above, "the case needs a slot count above the default with less step memory"
+    cap = default["step_peak_bytes"] - 1  # the default does not fit, and fewer slots hold more (no replicas)
+    best, note = Projection.best_symi(cands, cap)
+    assert best["slots"] > default["slots"] and best["step_peak_bytes"] <= cap
+    assert best["step_ms"] == min(c["step_ms"] for c in cands if c["step_peak_bytes"] <= cap)
+    assert "fastest that fits" in note
+    # with room for every count, the fastest overall wins (here also above the default)
+    roomy, _ = Projection.best_symi(cands, 1 << 50)
+    assert roomy["step_ms"] == min(c["step_ms"] for c in cands)
+
+
+def _small(**kw):
+    base = dict(model="qwen3-30b-a3b", gpus=16, memory_caps_gib=(60.0,), steps=2, layers=1, tokens_per_gpu=1024)
+    return SimConfig(**{**base, **kw})
+
+
+def test_lrmoe_kept_ratio_comes_from_the_controller_at_the_cap():
+    """No fixed ratio: the kept ratio is what the controller's quotas keep within the budget
+    (here the network budget binds: half a balanced backward's bytes leaves room for half the
+    pairs); --ratios only caps it."""
+    rows = {}
+    for nb, ratios in ((0.5, (1.0,)), (None, (1.0, 0.3))):
+        doc, calls = simulate(_small(network_budget=nb, ratios=ratios), progress=False)
+        rows[nb] = doc["caps"]["60"]
+    tight, free = rows[0.5]["lrmoe-local-sampled"], rows[None]["lrmoe-local-sampled"]
+    assert tight["kept_ratio"] == pytest.approx(0.5, abs=0.01)  # Σ capacities = half the pairs
+    assert free["kept_ratio"] > 0.95  # nothing binds: (nearly) every pair kept
+    assert rows[None]["lrmoe-local-sampled@0.3"]["kept_ratio"] <= 0.3 + 1e-3  # the ratio caps it
+    assert "budget runs" in free["steps_source"] and "ratio runs" in rows[None]["lrmoe-local-sampled@0.3"][
+        "steps_source"]
+    # every call's kept pairs are the controller's quotas: recompute them from the planner's state
+    cfg = _small(network_budget=0.5)
+    counts, layers, _ = routing_counts(cfg)
+    p = SystemPlanner("lrmoe", cfg.spec.moe_config(), cfg.gpus, memory_bytes=8 * GIB,
+                      network_bytes=cfg.network_bytes, selection="local-sampled")
+    for t in range(2):
+        counts_SE = torch.from_numpy(split_sources(counts[t, 0], cfg.gpus))
+        planner = p.planner
+        placement = planner.placement
+        expect = planner.controller.quotas(counts_SE.sum(0), placement, planner.controller.kept_capacity(placement))
+        call = p.call(counts[t, 0], 2)
+        assert call.copies_R.tolist() == [len(s) for s in placement.slots]  # planned on that placement
+        assert call.kept_pairs == int(expect.sum()) < call.total_pairs
+
+
+def test_selection_exchange_bytes():
+    """local-sampled (the default) exchanges no scores, only the non-finite counts every
+    selection all-gathers; sampled all-gathers every score, lrm its candidates."""
+    from lrmoe.sim.cost import exchanges
+
+    cfg = _small()
+    counts = routing_counts(cfg)[0][0, 0]
+    spec, W, E = cfg.spec, cfg.gpus, cfg.spec.num_experts
+    got = {}
+    for selection in ("local-sampled", "local", "sampled", "lrm", "random"):
+        call = SystemPlanner("lrmoe", spec.moe_config(), W, ratio=0.5, selection=selection).call(counts, 2)
+        select = [b for phase, b in exchanges(call, spec, 2) if phase == "select"]
+        counts_gather = np.full((W, W), E * 8)
+        got[selection] = sum(int(b.sum()) for b in select) - int(counts_gather.sum())
+        assert any((b == counts_gather).all() for b in select)  # the non-finite counts, E int64 a rank
+    assert got["local-sampled"] == 0 and got["local"] == 0
+    pairs = 1024 * spec.top_k
+    assert got["sampled"] == W * W * pairs * 8  # every rank's every score to every rank
+    # lrm and random send each rank's best min(q_e, c_e,r) keys: every pair here, where a rank's
+    # share of an expert (1/16 of it) is below its quota (half of it)
+    assert 0 < got["lrm"] == got["random"] <= got["sampled"]
+
+
+def test_headline_is_the_same_on_a_slow_host(monkeypatch):
+    """Host planning comes from the recorded benchmark, not this machine's clock: a host whose
+    timer runs 1000x slower changes the live diagnostic only."""
+    import lrmoe.sim.plan as sim_plan
+
+    cfg = _small(memory_caps_gib=(60.0, 100.0))
+    fast, _ = simulate(cfg, progress=False)
+    clock = iter(range(10**9))
+    monkeypatch.setattr(sim_plan, "time", SimpleNamespace(perf_counter=lambda: 1000.0 * next(clock)))
+    slow, _ = simulate(cfg, progress=False)
+    keys = ("moe_time_to_target_s", "device_time_to_target_s", "step_ms", "host_ms", "status")
+    for cap in fast["caps"]:
+        for name, row in fast["caps"][cap].items():
+            assert {k: row.get(k) for k in keys} == {k: slow["caps"][cap][name].get(k) for k in keys}
+            if row.get("host_ms"):
+                assert slow["caps"][cap][name]["host_live_ms"] > 100 * row["host_live_ms"]
+    assert fast["what_if"] == slow["what_if"]
+    table = [table_md({"m": doc}) for doc in (fast, slow)]
+    assert [line for line in table[0].splitlines() if "host_live" not in line] == table[1].splitlines()
+    # host ms is the planner calls times the reference
+    per_call, _ = PlanningReference.load().per_call_ms(cfg.spec.num_experts, cfg.gpus)
+    symi = fast["caps"]["60"]["symi"]
+    expect = sum(n * per_call[k] for k, n in symi["planner_calls_per_layer_call"].items()) * cfg.spec.moe_layers
+    assert symi["host_ms"] == pytest.approx(expect)
+
+
+def test_what_if_grid():
+    lrmoe = {"status": "ok", "device_step_ms": 900.0, "host_ms": 480.0, "steps_ratio": 1.1}
+    symi = {"status": "ok", "device_step_ms": 1000.0, "host_ms": 96.0, "steps_ratio": 1.0}
+    grid = what_if(lrmoe, symi, moe_layers=48)
+    assert grid["1.00"]["0"] == pytest.approx(10.0)
+    assert grid["1.05"]["1 ms"] == pytest.approx(100 * (1048 - 948 * 1.05) / 1048)
+    assert grid["measured"]["bench"] == pytest.approx(100 * (1096 - 1380 * 1.1) / 1096)
+    assert what_if({**lrmoe, "steps_ratio": None}, symi, 48)["measured"]["0"] is None
+    assert what_if(lrmoe, {**symi, "status": "oom"}, 48) == {}

@@ -2,11 +2,17 @@
 
     lrmoe train    --config FILE [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
                    [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--max-restarts R]
+                   [RENDEZVOUS]
     lrmoe compare  --config FILE [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
                    [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--memory-caps A,B,C]
+                   [RENDEZVOUS]
     lrmoe simulate --model NAME --gpus N --gpu-memory GIB[,GIB...] --out DIR [options]
 
-Ranks are launched through ``torch.distributed.run`` (gloo on CPU, NCCL on CUDA). A user error
+    RENDEZVOUS: --nnodes N --node-rank R (--rdzv-endpoint HOST:PORT [--rdzv-id ID] [--rdzv-backend B]
+                | --master-addr HOST [--master-port P]); none: one machine (torchrun --standalone)
+
+Ranks are launched through ``torch.distributed.run`` (gloo on CPU, NCCL on CUDA), on one machine
+or, with the rendezvous options, on several (docs/training.md "Several machines"). A user error
 (bad config or flag, missing or too little data, a used --out, a checkpoint that does not fit),
 in the launcher or inside a rank, exits with status 2 and one line on stderr.
 """
@@ -22,6 +28,7 @@ from lrmoe.train.checkpoint import CheckpointError
 from lrmoe.train.config import ConfigError, RunConfig, load, require_int
 from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
 from lrmoe.train.launch import RankError, check_out, launch, preflight
+from lrmoe.train.rendezvous import Rendezvous, current_rendezvous, use_rendezvous
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
@@ -34,6 +41,24 @@ def _common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
     ap.add_argument("--data", help="a text file or a folder of text files (default: the built-in corpus)")
     ap.add_argument("--overwrite", action="store_true", help="replace the earlier outputs in a used --out")
+    rz = ap.add_argument_group("rendezvous (torchrun's; none of them: one machine, torchrun --standalone)")
+    rz.add_argument("--nnodes", type=int, default=1,
+                    help="machines the run spans; each starts nproc / nnodes ranks (--nproc counts the whole run)")
+    rz.add_argument("--node-rank", type=int, help="this machine's index 0..nnodes-1 (required with --nnodes > 1; "
+                                                  "node 0 checks and prepares --out, a folder all machines share)")
+    rz.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous endpoint (one of the machines)")
+    rz.add_argument("--rdzv-backend", help="c10d (default with --rdzv-endpoint) or static (default with "
+                                           "--master-addr)")
+    rz.add_argument("--rdzv-id", help="the job's id at the rendezvous (default lrmoe)")
+    rz.add_argument("--master-addr", metavar="HOST", help="static rendezvous: node 0's address")
+    rz.add_argument("--master-port", type=int, help="static rendezvous: node 0's port (torchrun's default 29500)")
+
+
+def _rendezvous(args: argparse.Namespace) -> Rendezvous:
+    """The rendezvous flags of ``train`` and ``compare`` (validated: a ConfigError)."""
+    return Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_backend=args.rdzv_backend,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, master_addr=args.master_addr,
+                      master_port=args.master_port)
 
 
 def _resolve(args: argparse.Namespace) -> RunConfig:
@@ -64,6 +89,7 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
         from lrmoe.train.build import read_routing_trace
 
         read_routing_trace(cfg.train.routing_trace, cfg.model)  # likewise an unreadable or mismatched trace
+    current_rendezvous().torchrun_args(cfg.train.nproc)  # --nnodes must divide the run's ranks
     preflight(cfg)  # and a corpus too small for one global batch
     return cfg
 
@@ -118,7 +144,9 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                           link_gbps=args.link_gbps, trace=args.trace, compare=args.compare, steps=args.steps,
                           layers=args.layers, tokens_per_gpu=args.tokens_per_gpu,
                           ratios=_floats("ratios", args.ratios), selection=args.selection,
-                          lrmoe_slots=args.lrmoe_slots, zipf=args.zipf, seed=args.seed) for m in models]
+                          lrmoe_slots=args.lrmoe_slots, zipf=args.zipf, seed=args.seed,
+                          network_budget=args.network_budget or None, convergence=args.convergence,
+                          planning=args.planning) for m in models]
         out = Path(args.out)
         project(cfgs, out, progress=not args.quiet)
     except SimError as e:
@@ -138,9 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     tr.add_argument("--system", help="overrides train.system; compare's names too, e.g. lrmoe-random@0.5 or "
                                      "masked@0.25 (selection and ratio go to [backward])")
     tr.add_argument("--out", help="output folder (default runs/SYSTEM); a used one needs --resume or --overwrite")
-    tr.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in --out")
+    tr.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in --out, "
+                                                             "also at another --nproc or --ep-size")
     tr.add_argument("--max-restarts", type=int, default=0,
-                    help="restart failed ranks this many times; restarted ranks resume from the last checkpoint")
+                    help="restart failed ranks this many times; restarted ranks resume from the last checkpoint "
+                         "(with train.checkpoint_every = 0, checkpoints then come every train.eval_every steps)")
     tr.set_defaults(fn=cmd_train)
     cp = sub.add_parser("compare", help="time to a target loss, system by system")
     _common(cp)
@@ -160,14 +190,21 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--link-gbps", type=float, default=400.0, help="inter-node Gbit/s per GPU (default 400)")
     sm.add_argument("--trace", help="routing.npz of an `lrmoe train` run (default: Zipf skew model)")
     sm.add_argument("--compare", help="results.json of an `lrmoe compare` run (default: the shipped one)")
+    sm.add_argument("--convergence", help="a benchmarks/convergence.py JSON: lrmoe's steps to target "
+                    "(default: the shipped study)")
+    sm.add_argument("--planning", help="a benchmarks/bench_planning.py JSON: host planning cost per planner "
+                    "call (default: the recorded figures)")
     sm.add_argument("--steps", type=int, default=20, help="simulated steps (default 20)")
     sm.add_argument("--layers", type=int, default=4, help="representative MoE layers (default 4)")
     sm.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
-    sm.add_argument("--ratios", default="0.5", help="lrmoe quota ratio caps, comma list (default 0.5)")
-    sm.add_argument("--selection", default="sampled", help="lrmoe variant whose steps to target apply: "
-                    "lrm, sampled or random (default sampled)")
-    sm.add_argument("--lrmoe-slots", default="symi", help="lrmoe replica slots: symi (same count as symi, "
-                    "default) or budget (the controller's share of memory)")
+    sm.add_argument("--ratios", default="1", help="upper caps on lrmoe's kept ratio, comma list (default 1: "
+                    "the controller's quotas at the cap alone)")
+    sm.add_argument("--selection", default="local-sampled", help="lrmoe's selection: its exchange and its "
+                    "steps to target (lrm, random, local, sampled, local-sampled; default local-sampled)")
+    sm.add_argument("--lrmoe-slots", default="search", help="lrmoe replica slots: search (the controller's "
+                    "per-step cost search, default) or symi (symi's default count, fixed)")
+    sm.add_argument("--network-budget", type=float, default=1.0, help="lrmoe's network budget per backward, "
+                    "x a balanced rank's dy, x and dx of every pair (default 1; 0: none)")
     sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -178,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, least in (("nproc", 1), ("ep_size", 0), ("steps", 1), ("max_restarts", 0)):
             if getattr(args, name, None) is not None:
                 require_int(f"--{name.replace('_', '-')}", getattr(args, name), least)
+        if args.command in ("train", "compare"):
+            use_rendezvous(_rendezvous(args))  # every launch of the command meets there
         args.fn(args)
     except RankError as e:  # reported by a rank
         print(f"lrmoe: {e}", file=sys.stderr)

@@ -4,13 +4,17 @@ A training step holds, per GPU and for every MoE layer at once: the layer's expe
 (parameters + gradient buffers, :meth:`lrmoe.meter.ByteModel.slots_held`), the owned experts'
 optimizer state, the home-side tensors (:func:`home_bytes`), the router's and shared expert's
 state and activations; and, when the backward begins, what each layer's expert side kept from
-its forward (:func:`kept_between_passes`: rows and activations for static-like systems, nothing
-for lrmoe). On top comes the transient peak of the one layer being computed (its
+its forward (:func:`kept_between_passes`: rows and activations for static-like systems; for lrmoe
+what its call's keep mode says). On top comes the transient peak of the one layer being computed (its
 ``peak_expert_side_bytes`` less its slots, already counted). The representative layers stand
 for all: kept bytes are their mean times the other layers, the transient their maximum.
 
-lrmoe's :class:`ClusterBudget` is the largest per-layer budget M whose step fits the cap: the
-other layers' slots (the controller's, for that M) and states plus M itself.
+lrmoe's :class:`ClusterBudget` is a per-layer budget M; :func:`lrmoe_budget` gives the largest
+M whose step fits with every other layer at the controller's most slots (its replica search's
+ceiling, ``Controller.slots``) and nothing kept between the passes — a conservative start; the
+simulator then searches M on the simulated step itself (:mod:`lrmoe.sim.run`), since the
+controller's cost search usually takes far fewer replicas than its ceiling and a call that
+keeps x (and activations) holds them across the other layers' calls.
 """
 
 from __future__ import annotations
@@ -48,19 +52,23 @@ def per_layer_state(spec: ModelSpec, tokens: int, s: int, opt: float, selective:
 
 def step_peak_bytes(spec: ModelSpec, calls: list[list[LayerCall]], s: int, opt: float) -> int:
     """Peak bytes per GPU of a whole training step (max over ranks and simulated steps);
-    ``calls[step][layer]`` are the representative layers' calls."""
+    ``calls[step][layer]`` are the representative layers' calls. Each representative layer
+    stands for ``L / layers`` of the model's L layers: its copies (which differ by layer where
+    replicas follow each layer's load) and what it kept to the backward enter as the mean over
+    the representative layers; the transient on top is the largest of one layer call."""
     L = spec.moe_layers
     bytes_ = ByteModel(spec.dim, spec.ffn_dim, s)
     worst = 0
     for layer_calls in calls:
         c0 = layer_calls[0]
         selective = spec_of(c0.system).selective  # the home side keeps ‖h‖² to the backward
-        slots_R = np.array([bytes_.slots_held(int(c), int(o)) for c, o in zip(c0.copies_R, c0.owned_R)])
+        slots_LR = np.array([[bytes_.slots_held(int(k), int(o)) for k, o in zip(c.copies_R, c.owned_R)]
+                             for c in layer_calls])
         state_R = np.array([per_layer_state(spec, c0.tokens_per_rank, s, opt, selective, int(o))
                             for o in c0.owned_R])
         kept_R = np.mean([c.kept_bytes_R for c in layer_calls], axis=0)
-        transient_R = np.max([c.peak_R for c in layer_calls], axis=0) - slots_R
-        total_R = L * (slots_R + state_R) + (L - 1) * kept_R + transient_R
+        transient_R = (np.array([c.peak_R for c in layer_calls]) - slots_LR).max(0)
+        total_R = L * (slots_LR.mean(0) + state_R) + (L - 1) * kept_R + transient_R
         worst = max(worst, int(total_R.max()))
     return worst
 

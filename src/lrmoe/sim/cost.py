@@ -5,12 +5,13 @@ the CPU calibration (where the rates are fitted by least squares):
 
 - grouped GEMMs: a roofline, ``max(FLOPs / (peak·gemm_eff), operand bytes / (bw·mem_eff))``;
   forward ``6·R·D·F`` FLOPs for R rows (gate, up, down), backward ``12·R·D·F`` (dh, dW_down,
-  dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (``spec.recomputes``:
-  static-recompute, lrmoe, masked);
+  dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (``call.recomputes``:
+  static-recompute, masked, and lrmoe unless its call kept x and the activations);
   operand bytes are the weights (once per local copy and GEMM) plus the rows in and out;
 - elementwise and copy kernels: bytes / (bw·mem_eff) — SwiGLU and its backward, ‖h‖² (the
   selective systems, ``spec.selective``), the home-side gather of rows into send order and the
-  weighted combine / scatter-add, the selection's sort passes (``spec.selects``);
+  weighted combine / scatter-add, the selection's sort passes (``spec.selects``), and a keep-x
+  backward's gather of its kept rows out of the saved ones;
 - kernel launches × ``launch_s`` (forward chunks multiply them; on CPU a grouped GEMM is a loop
   of one GEMM per local expert, so each expert costs a launch);
 - router and shared expert GEMMs (same for every system, kept so that reductions are relative
@@ -19,12 +20,17 @@ the CPU calibration (where the rates are fitted by least squares):
   the larger of its intra-node bytes / ``intra_bw`` and its inter-node bytes / ``inter_bw``
   (links in parallel), sent or received, whichever is more; the collective takes its slowest
   rank. Exchanges: forward rows out and back (+ ‖h‖² for the selective systems), backward dy
-  (+ x where the backward compacts: lrmoe) and dx, the selection's score all-gather (selective
-  systems in the backward, capacity in the forward),
-  replica refresh (owner → holder, every step) and replica-gradient reduction (holder → owner);
+  and dx (+ x where a compacting backward kept nothing, ``call.resends_x``; + one byte per
+  forward row where it kept x, saying which rows are kept), the selection's exchange (a
+  selective backward all-gathers its non-finite counts, E int64 per rank; then ``lrm`` and
+  ``random`` all-gather their candidates' keys, ``sampled`` every score, ``local`` and
+  ``local-sampled`` nothing: :data:`lrmoe.sim.plan.SCORE_EXCHANGE`; capacity's score exchange
+  in the forward), replica refresh (owner → holder, every step) and replica-gradient reduction
+  (holder → owner);
 - selection: scored pairs × ``select_pair_s`` (0 on GPU, where the sort passes above stand for
   it; fitted on CPU, where scoring and exact top-q run as many small ops);
-- host time: the measured wall time of the library's planning calls (:mod:`lrmoe.sim.plan`);
+- host time: the library's planner calls in this call times their recorded benchmark cost
+  (:mod:`lrmoe.sim.host`), the same on every machine;
 - CPU only: ranks beyond ``cores`` share them, so compute and memory terms scale by W/cores.
 
 The layer call's time is the sum over phases of the slowest rank per phase (collectives
@@ -85,7 +91,7 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
     L = call.copies_R.astype(np.float64)
     T = float(call.tokens_per_rank)
     system = spec_of(call.system)
-    recompute = system.recomputes
+    recompute = call.recomputes
     w_bytes = expert_param_bytes(D, F, s) * L  # one read of every local copy's weights
     groups = L if per_expert_gemm else np.ones_like(L)
     fwd_flops = 6 * Rf * D * F
@@ -96,6 +102,8 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
     h_sq = system.selective  # the forward also reduces h to ‖h‖² per row
     fwd_elem = Rf * 4 * F * s + (Rf * F * s if h_sq else 0) + call.home_pairs_R * 3 * D * s
     bwd_elem = Rb * 8 * F * s + (Rb * 4 * F * s if recompute else 0) + call.home_bwd_pairs_R * 3 * D * s
+    if call.keep is not None and not call.resends_x:  # kept rows gathered out of the saved x (and activations)
+        bwd_elem = bwd_elem + np.where(Rb < Rf, 2 * Rb * (D + (0 if recompute else 4 * F)) * s, 0)
     if system.selects:
         sort = SORT_PASSES * SCORE_BYTES * T * K
         if call.score_in_forward:
@@ -124,8 +132,12 @@ def exchanges(call: LayerCall, spec: ModelSpec, s: int) -> list[tuple[str, np.nd
            ("fwd_a2a", call.fwd_SR * row),
            ("fwd_a2a", call.fwd_SR.T * (row + (H_SQ_BYTES if system.selective else 0))),  # y (+ ‖h‖²)
            ("bwd_a2a", call.bwd_SR * row), ("bwd_a2a", call.bwd_SR.T * row)]
-    if system.compacts:
+    if call.resends_x:
         out.append(("bwd_a2a", call.bwd_SR * row))  # x of the kept pairs, re-sent
+    elif call.keep is not None:
+        out.append(("bwd_a2a", call.fwd_SR))  # one byte per forward row: which rows are kept
+    if call.count_gather:
+        out.append(("select", np.full((W, W), spec.num_experts * 8)))  # non-finite counts, all-gathered
     if call.score_pairs_R.any():
         out.append(("select", np.repeat(call.score_pairs_R[:, None] * SCORE_BYTES, W, axis=1)))
     if call.refresh_SR.any():

@@ -13,22 +13,23 @@ scale, where building the tensors is impossible; this module adds what a whole s
 
 from __future__ import annotations
 
-from lrmoe.meter import H_SQ_BYTES, ByteModel, RankWork, expert_side_peak
+from lrmoe.meter import H_SQ_BYTES, KEEP_X, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
 from lrmoe.systems import SystemSpec, spec_of
 
 __all__ = ["RankWork", "expert_side_peak", "home_bytes", "kept_between_passes"]
 
 
-def kept_between_passes(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, fwd_rows: int) -> int:
+def kept_between_passes(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, fwd_rows: int,
+                        keep: str | None = None, chunked: bool = False) -> int:
     """Bytes the expert side keeps from a layer's forward to its backward: held for every MoE
-    layer at once when the backward starts (what makes ``static`` run out of memory)."""
+    layer at once when the backward starts (what makes ``static`` run out of memory). A
+    compacting backward keeps what its call's ``keep`` mode says (nothing, x, or x and the
+    activations); activations are never kept from a chunked forward."""
     spec = spec_of(system)
     bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
-    if spec.saves_activations:
-        return fwd_rows * (bm.row + bm.fwd_compute)
-    if spec.saves_rows:
-        return fwd_rows * bm.row
-    return 0
+    acts = (spec.saves_activations or (spec.compacts and keep == KEEP_X_ACTS)) and not chunked
+    rows = spec.saves_rows or (spec.compacts and keep in (KEEP_X, KEEP_X_ACTS))
+    return fwd_rows * ((bm.row if rows else 0) + (bm.fwd_compute if acts else 0))
 
 
 def home_bytes(tokens: int, dim: int, top_k: int, dtype_bytes: int, selective: bool) -> int:

@@ -1,16 +1,19 @@
 """What each system does in one layer call, decided by the layer's own planner.
 
 A :class:`SystemPlanner` drives the same :class:`lrmoe.plan.LayerPlanner` object that
-:class:`lrmoe.layer.MoELayer` drives — placement, replica planning, forward assignment, forward
-chunks within the budget, kept capacities and quotas — on a step's global per-expert counts,
-and records the rows each rank receives, keeps and computes. Nothing of the planning is
-re-implemented here; only the split of kept pairs over source ranks is assumed (largest
-remainder, as when scores are alike), since the simulator has no scores.
+:class:`lrmoe.layer.MoELayer` drives — placement, replica planning (lrmoe: its per-step cost
+search), forward assignment, forward chunks within the budget, kept capacities, quotas and the
+keep mode of a compacting backward — on a step's global per-expert counts, and records the rows
+each rank receives, keeps and computes. Nothing of the planning is re-implemented here; only
+the split of kept pairs over source ranks is assumed (largest remainder, which is exact for the
+``local`` and ``local-sampled`` selections and the expected split for the others), and, where
+the expert side kept x, the split of each (expert, source)'s kept pairs over the ranks that
+computed them in the forward (in proportion: the expected split of a sample).
 
 Each rank's tokens are assumed to follow the global routing distribution (counts split evenly
-over source ranks): the simulator has global counts only. The wall time of the planner's calls
-is measured here and charged to the system as host time, since the layer runs them on the
-critical path.
+over source ranks): the simulator has global counts only. Host planning time is the count of
+the library's benchmarked planner calls times their recorded cost (:mod:`lrmoe.sim.host`), not
+this machine's clock; the live wall time is kept only as a diagnostic.
 """
 
 from __future__ import annotations
@@ -22,13 +25,20 @@ import numpy as np
 import torch
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
-from lrmoe.meter import RankWork, expert_side_peak
+from lrmoe.meter import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.plan import LayerPlanner
 from lrmoe.selection import largest_remainder
 from lrmoe.sim.errors import SimError
+from lrmoe.sim.host import PlannerCalls, PlanningReference, host_seconds
 from lrmoe.sim.memory import kept_between_passes
 from lrmoe.sim.trace import split_sources
 from lrmoe.systems import spec_of
+
+# What a selection exchanges besides the non-finite counts every selection all-gathers:
+# "candidates" (lrm, random: each rank's best min(q_e, c_e,r) keys per expert), "all" (sampled:
+# every finite score), nothing (local, local-sampled: each rank selects its own share).
+SCORE_EXCHANGE = {"lrm": "candidates", "random": "candidates", "sampled": "all", "local": None,
+                  "local-sampled": None}
 
 
 @dataclass(frozen=True)
@@ -48,10 +58,16 @@ class LayerCall:
     refresh_SR: np.ndarray  # int64 (W, W) expert copies owner s sends holder r per step
     kept_pairs: int  # pairs whose expert backward is computed
     total_pairs: int
-    host_s: float  # measured wall time of the library's planning calls for this call
+    host_s: float  # reference host time of the library's planning calls for this call (sim.host)
     peak_R: np.ndarray  # expert_side_peak per rank
     kept_bytes_R: np.ndarray  # bytes kept from forward to backward per rank
     tokens_per_rank: int
+    keep: str | None = None  # a compacting backward's keep mode (lrmoe.meter.KEEP_MODES)
+    recomputes: bool = False  # the backward recomputes gate/up/h (no saved activations)
+    resends_x: bool = False  # home re-sends x of the kept pairs (a compacting backward that kept nothing)
+    count_gather: bool = False  # the selection all-gathers its non-finite counts (every selective backward)
+    host_live_s: float = 0.0  # the same planning's wall time on this machine (diagnostic only)
+    planner_calls: dict = field(default_factory=dict)  # benchmarked planner -> calls in this call
 
 
 @dataclass
@@ -65,6 +81,10 @@ class SystemPlanner:
     memory_bytes: int | None = None  # per-rank expert-side budget (systems that take one)
     slots: int | None = None  # fixed slots per rank (None: the layer's default)
     capacity_factor: float = 1.25
+    selection: str = "lrm"  # BackwardConfig.selection (the CPU calibration's layers use lrm)
+    network_bytes: int | None = None  # per-rank backward network budget (ClusterBudget.network_bytes)
+    link_gbps: float | None = None  # inter-node link, for the planner's cost model (replica search)
+    reference: PlanningReference | None = None  # host planning costs (default: the shipped reference)
     planner: LayerPlanner = field(init=False)
 
     def __post_init__(self) -> None:
@@ -72,13 +92,16 @@ class SystemPlanner:
         budget = None
         if spec.takes_budget and (self.memory_bytes is not None or self.slots is not None):
             budget = ClusterBudget(memory_bytes=None if self.memory_bytes is None else int(self.memory_bytes),
-                                   slots=self.slots)
+                                   network_bytes=None if self.network_bytes is None else int(self.network_bytes),
+                                   slots=self.slots, inter_node_gbps=self.link_gbps)
         try:
             self.planner = LayerPlanner(spec, self.config, self.world, budget=budget,
-                                        backward=BackwardConfig(ratio=self.ratio),
+                                        backward=BackwardConfig(self.selection, ratio=self.ratio),
                                         capacity_factor=self.capacity_factor)
         except ValueError as e:
             raise SimError(f"{self.system}: {e}") from None
+        reference = self.reference or PlanningReference.load()
+        self.per_call_ms, self.reference_shape = reference.per_call_ms(self.config.num_experts, self.world)
 
     @property
     def base(self):
@@ -101,15 +124,17 @@ class SystemPlanner:
         total = int(counts_SE.sum())
         tokens = total // K // W
 
+        calls = PlannerCalls()
         t0 = time.perf_counter()
-        fwd_quota_E = planner.forward_quota(counts_SE)
-        fwd_SE = None if fwd_quota_E is None else torch.from_numpy(split_sources(fwd_quota_E.numpy(), W))
-        plan = planner.plan_call(counts_SE, fwd_SE, training=True)
-        host = time.perf_counter() - t0
+        with calls:
+            fwd_quota_E = planner.forward_quota(counts_SE)
+            fwd_SE = None if fwd_quota_E is None else torch.from_numpy(split_sources(fwd_quota_E.numpy(), W))
+            plan = planner.plan_call(counts_SE, fwd_SE, training=True)
+        live = time.perf_counter() - t0
         fwd_SR = plan.assign_ESR.sum(0).numpy()
         recv_R = fwd_SR.sum(0)
         score_R = np.zeros(W, np.int64)
-        if fwd_quota_E is not None:
+        if fwd_quota_E is not None:  # capacity: a global score exchange in the forward
             score_R = torch.minimum(counts_SE, fwd_quota_E.view(1, E)).sum(1).numpy()
 
         chunks_R = np.ones(W, np.int64)
@@ -119,14 +144,19 @@ class SystemPlanner:
                 chunks_R[r] = -(-int(recv_R[r]) // c)
         bwd_SR = fwd_SR
         kept = int(plan.forward_SE.sum())
+        keep = plan.keep if spec.compacts else None
         if plan.quota_E is not None:
             kept = int(plan.quota_E.sum())
-            score_R = torch.minimum(counts_SE, plan.quota_E.view(1, E)).sum(1).numpy()
+            score_R = self._score_pairs(counts_SE, plan.quota_E)
             if spec.compacts:
-                t0 = time.perf_counter()
                 kept_SE = largest_remainder(plan.quota_E, counts_SE)
-                bwd_SR = planner.assign(kept_SE, plan.placement, plan.kept_capacity_R).sum(0).numpy()
-                host += time.perf_counter() - t0
+                if keep == KEEP_NOTHING:  # re-spread min-peak within the kept capacities (the layer's rows)
+                    t0 = time.perf_counter()
+                    with calls:
+                        bwd_SR = planner.assign(kept_SE, plan.placement, plan.kept_capacity_R).sum(0).numpy()
+                    live += time.perf_counter() - t0
+                else:  # computed where the forward computed them (the forward's plan restricted)
+                    bwd_SR = _restrict(plan.assign_ESR, kept_SE)
 
         placement = plan.placement
         owned_R = np.array([len(planner.base.owned(r)) for r in range(W)])
@@ -139,17 +169,47 @@ class SystemPlanner:
         peak_R = np.array([
             expert_side_peak(spec, D, F, s, RankWork(
                 int(recv_R[r]), int(bwd_SR[:, r].sum()), int(copies_R[r]), int(owned_R[r]), chunk_rows[r], W,
-                replicas_anywhere))
+                replicas_anywhere, keep=keep or KEEP_NOTHING))
             for r in range(W)])
-        kept_bytes_R = np.array([kept_between_passes(spec, D, F, s, int(recv_R[r])) for r in range(W)])
+        kept_bytes_R = np.array([kept_between_passes(spec, D, F, s, int(recv_R[r]), keep,
+                                                     chunk_rows[r] is not None and chunk_rows[r] < recv_R[r])
+                                 for r in range(W)])
         home_R = plan.forward_SE.sum(1).numpy()
         call = LayerCall(
             system=self.system, fwd_SR=fwd_SR, bwd_SR=bwd_SR, copies_R=copies_R, owned_R=owned_R, chunks_R=chunks_R,
             home_pairs_R=home_R, home_bwd_pairs_R=bwd_SR.sum(1), score_pairs_R=np.asarray(score_R),
             score_in_forward=spec.forward_drop, refresh_SR=refresh_SR, kept_pairs=kept, total_pairs=total,
-            host_s=0.0, peak_R=peak_R, kept_bytes_R=kept_bytes_R, tokens_per_rank=tokens,
+            host_s=0.0, peak_R=peak_R, kept_bytes_R=kept_bytes_R, tokens_per_rank=tokens, keep=keep,
+            recomputes=spec.recomputes and keep != KEEP_X_ACTS, resends_x=keep == KEEP_NOTHING,
+            count_gather=spec.selective,
         )
         t0 = time.perf_counter()
-        planner.step_end()  # re-plans replicas when due (symi every step, lrmoe every replan_interval)
-        host += time.perf_counter() - t0
-        return replace(call, host_s=host)
+        with calls:
+            planner.step_end()  # re-plans replicas when due (symi every step; lrmoe's cost search every step)
+        live += time.perf_counter() - t0
+        return replace(call, host_s=host_seconds(calls.counts, self.per_call_ms), host_live_s=live,
+                       planner_calls=dict(calls.counts))
+
+    def _score_pairs(self, counts_SE: torch.Tensor, quota_E: torch.Tensor) -> np.ndarray:
+        """Scores each rank sends in its selection's exchange (``SCORE_EXCHANGE``)."""
+        how = SCORE_EXCHANGE[self.selection]
+        if how == "candidates":
+            return torch.minimum(counts_SE, quota_E.view(1, -1)).sum(1).numpy()
+        if how == "all":
+            return counts_SE.sum(1).numpy()
+        return np.zeros(counts_SE.shape[0], np.int64)
+
+
+def _restrict(assign_ESR: torch.Tensor, kept_SE: torch.Tensor) -> np.ndarray:
+    """(W, W) backward rows when each kept pair is computed where the forward computed it: the
+    kept pairs of (expert e, source s) split over the ranks that computed e's pairs from s, in
+    proportion (largest remainder)."""
+    W = kept_SE.shape[0]
+    out = np.zeros((W, W), np.int64)
+    for s in range(W):
+        rows_RE = assign_ESR[:, s, :].t()  # ranks × experts: where source s's pairs were computed
+        out[s] = largest_remainder(kept_SE[s], rows_RE).sum(1).numpy()
+    return out
+
+
+__all__ = ["LayerCall", "SCORE_EXCHANGE", "SystemPlanner"]

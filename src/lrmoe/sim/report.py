@@ -2,7 +2,8 @@
 sensitivity plots (GPU memory, link bandwidth).
 
 ``results.json``: ``{model: {memory_cap_gib: {system: {"moe_time_to_target_s", "step_ms",
-"peak_expert_side_bytes", ...}}}}`` plus ``"_meta"`` with every assumption of each model's run.
+"device_step_ms", "host_ms", "peak_expert_side_bytes", ...}}}}`` plus ``"_meta"`` with every
+assumption of each model's run and ``"_what_if"`` ({model: {cap: {lrmoe: {steps: {host: %}}}}}).
 """
 
 from __future__ import annotations
@@ -26,23 +27,91 @@ def _num(v: float | None, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
+HEADER = ("Reduction vs symi: (symi − system) / symi of cumulative MoE-layer time to the target loss "
+          "(positive = faster); symi is its fastest replica count that fits the cap. Host planning: the "
+          "library's planner calls in each layer call times their recorded benchmark cost "
+          "(src/lrmoe/sim/planning_reference.json, from benchmarks/bench_planning.py), never this machine's "
+          "clock, so every column is the same on an idle and a busy machine; device-only: the same without "
+          "it. Memory reduction vs static: (static − system) / static of the peak expert-side bytes of one "
+          "layer call, max over ranks; step memory: the whole training step per GPU, all MoE layers. "
+          "`oom`: the whole step does not fit the cap; `not reached`: no measured step count at this kept "
+          "ratio. Assumptions and fair rules: docs/simulation.md.")
+
+
+def _keep(modes: dict | None) -> str:
+    if not modes:
+        return "–"
+    return " / ".join(f"{m} {100 * v:.0f} %" if v < 1 else m for m, v in sorted(modes.items(), key=lambda kv: -kv[1]))
+
+
+def _lrmoe_names(rows: dict) -> list[str]:
+    return [n for n in rows if n.startswith("lrmoe")]
+
+
+def headline_md(results: dict[str, dict]) -> list[str]:
+    """lrmoe against the best symi that fits, per model and cap: per-step device time and MoE
+    time to target."""
+    out = ["## lrmoe against the best symi that fits", "",
+           "| model | cap GiB | symi slots | symi device ms/step | lrmoe | lrmoe device ms/step | kept | keep mode "
+           "| symi time to target s | lrmoe time to target s | vs symi | device-only vs symi |",
+           "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    for model, doc in results.items():
+        for cap, rows in doc["caps"].items():
+            symi = rows.get(SYMI, {})
+            sym_ok = symi.get("status") == "ok"
+            for name in _lrmoe_names(rows):
+                r = rows[name]
+                out.append(
+                    f"| {model} | {cap} | {symi.get('slots_per_rank', '–') if sym_ok else 'oom'} | "
+                    f"{_num(symi.get('device_step_ms') if sym_ok else None, '.0f')} | {name} ({r.get('status')}) | "
+                    f"{_num(r.get('device_step_ms'), '.0f')} | {_num(r.get('kept_ratio'), '.3f')} | "
+                    f"{_keep(r.get('keep_modes'))} | {_num(symi.get('moe_time_to_target_s'), '.0f')} | "
+                    f"{_num(r.get('moe_time_to_target_s'), '.0f')} | "
+                    f"{_pct(r.get('moe_time_to_target_s'), symi.get('moe_time_to_target_s'))} | "
+                    f"{_pct(r.get('device_time_to_target_s'), symi.get('device_time_to_target_s'))} |")
+    return out + [""]
+
+
+def what_if_md(results: dict[str, dict]) -> list[str]:
+    """The what-if grids (lrmoe's steps × host planning) as one table per model."""
+    out = ["## What if: lrmoe vs symi under other assumptions", "",
+           "MoE time to target of lrmoe against the best symi that fits, same simulated device time; "
+           "rows: lrmoe's steps to target (× static's; `measured`: the headline's, from the convergence "
+           "study), columns: host planning per layer call for both systems (`0`, `1 ms`, `bench`: the "
+           "headline's benchmark figures). `–`: symi or lrmoe does not fit; `not measured`: no measured "
+           "steps at lrmoe's kept ratio.", ""]
+    for model, doc in results.items():
+        out += [f"### {model}", "", "| cap GiB | lrmoe | steps | host 0 | host 1 ms | host bench |",
+                "|---:|---|---|---:|---:|---:|"]
+        for cap, grids in doc.get("what_if", {}).items():
+            for name, grid in grids.items():
+                for steps in ("1.00", "1.05", "measured"):
+                    row = grid.get(steps)
+                    cells = [("–" if row is None else "not measured" if row[h] is None else f"{row[h]:+.1f} %")
+                             for h in ("0", "1 ms", "bench")]
+                    label = steps
+                    if steps == "measured" and doc["caps"][cap][name].get("steps_ratio") is not None:
+                        label = f"measured ({doc['caps'][cap][name]['steps_ratio']:.3f})"
+                    out.append(f"| {cap} | {name} | {label} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
 def table_md(results: dict[str, dict]) -> str:
-    """Per model and memory cap: MoE time to target and its reduction vs symi, per-layer-call
-    expert-side peak and its reduction vs static, whole-step memory and status."""
-    out = ["# Projected MoE-layer training: time to target and memory", "",
-           "Reduction vs symi: (symi − system) / symi of cumulative MoE-layer time to the target loss "
-           "(positive = faster). Memory reduction vs static: (static − system) / static of the peak "
-           "expert-side bytes of one layer call (placement + replicas + token buffers), max over ranks. "
-           "Device-only: the same without the host time of the library's planners (measured on the "
-           "simulation host, in Python). Step memory: the whole training step per GPU, all MoE layers. "
-           "`oom`: the whole step does not fit the cap; `not reached`: the compare run measured no step "
-           "count at this kept ratio. Assumptions: docs/simulation.md.", ""]
+    """The headline (lrmoe vs the best symi that fits), the what-if grids, then per model and
+    memory cap every system: step time (device, host), kept ratio and keep mode, steps and MoE
+    time to target, reductions vs symi, expert-side peak and whole-step memory vs static."""
+    out = ["# Projected MoE-layer training: time to target and memory", "", HEADER, ""]
+    out += headline_md(results)
+    out += what_if_md(results)
     for model, doc in results.items():
         meta = doc["meta"]
         out += [f"## {model} — {meta['gpus']} GPUs, {meta['tokens_per_gpu']} tokens/GPU, "
                 f"{meta['link_gbps']:g} Gbit/s inter-node", "",
-                f"Routing: {meta['routing']}. Steps to target: {meta['compare']} "
-                f"(lrmoe variant: {meta['selection']}; static = {meta['target_steps_static']} steps).", ""]
+                f"Routing: {meta['routing']}. Steps to target: {'; '.join(meta.get('steps_sources', []))}; "
+                f"{meta['compare']} (static = {meta['target_steps_static']} steps). lrmoe selection: "
+                f"{meta['selection']}; network budget {meta.get('network_budget')} × a balanced backward. "
+                f"Host planning: {meta.get('planning_reference')} at {meta.get('planning_shape')}.", ""]
         for cap, rows in doc["caps"].items():
             symi = rows.get(SYMI, {})
             static = rows.get(REFERENCE_SYSTEM, {})
@@ -51,22 +120,24 @@ def table_md(results: dict[str, dict]) -> str:
             ref_d = symi.get("device_time_to_target_s")
             ref_s = static.get("step_peak_bytes")
             out += [f"### GPU memory cap {cap} GiB", "",
-                    "| system | status | step ms | of which host ms | kept | steps to target "
+                    "| system | status | slots a rank | keep | step ms | device ms | host ms | kept | steps × static "
                     "| MoE time to target s | vs symi | device-only vs symi | expert-side peak GiB | vs static "
                     "| step memory GiB | vs static |",
-                    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                    "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for name, r in rows.items():
                 peak = r.get("peak_expert_side_bytes")
-                host = r["layer_ms"]["host"] * meta["moe_layers"] if "layer_ms" in r else None
                 step_mem = r.get("step_peak_bytes")
                 out.append(
-                    f"| {name} | {r.get('status')} | {_num(r.get('step_ms'), '.0f')} | {_num(host, '.0f')} | "
-                    f"{_num(r.get('kept_ratio'), '.3f')} | {_num(r.get('steps_to_target'), '.0f')} | "
+                    f"| {name} | {r.get('status')} | {r.get('copies_per_rank', '–')} | {_keep(r.get('keep_modes'))} | "
+                    f"{_num(r.get('step_ms'), '.0f')} | {_num(r.get('device_step_ms'), '.0f')} | "
+                    f"{_num(r.get('host_ms'), '.0f')} | {_num(r.get('kept_ratio'), '.3f')} | "
+                    f"{_num(r.get('steps_ratio'), '.3f')} | "
                     f"{_num(r.get('moe_time_to_target_s'), '.0f')} | {_pct(r.get('moe_time_to_target_s'), ref_t)} | "
                     f"{_pct(r.get('device_time_to_target_s'), ref_d)} | "
                     f"{_num(None if peak is None else peak / GIB, '.2f')} | {_pct(peak, ref_m)} | "
                     f"{_num(None if step_mem is None else step_mem / GIB, '.1f')} | {_pct(step_mem, ref_s)} |")
-            out.append("")
+            notes = [f"- {name}: {r['note']}" for name, r in rows.items() if r.get("note")]
+            out += [""] + notes + ([""] if notes else [])
     return "\n".join(out)
 
 
@@ -75,6 +146,7 @@ def write_results(out: Path, results: dict[str, dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     doc = {model: doc["caps"] for model, doc in results.items()}
     doc["_meta"] = {model: doc_["meta"] for model, doc_ in results.items()}
+    doc["_what_if"] = {model: doc_.get("what_if", {}) for model, doc_ in results.items()}
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     (out / "table.md").write_text(table_md(results))
 
