@@ -171,9 +171,10 @@ def _val_loss_figure(plt, records: dict[str, list[dict]], style: dict[str, dict]
     cross where a run ran out of memory."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
     evals = {n: [r for r in rows if "val_loss" in r] for n, rows in records.items()}
+    outcomes = {n: outcome(rows, target) for n, rows in records.items()}
     for ax in axes:
         for n, ev in evals.items():
-            o = outcome(records[n], target)
+            o = outcomes[n]
             t, v = [r["moe_time_s"] for r in ev], [r["val_loss"] for r in ev]
             ax.plot(t, v, marker="o", ms=2, lw=1.3, **style[n], label=legend_label(n, o) if ax is axes[0] else None)
             if o.time_s is not None:
@@ -187,7 +188,7 @@ def _val_loss_figure(plt, records: dict[str, list[dict]], style: dict[str, dict]
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss")
     axes[0].set_title("whole run")
-    _zoom_near_target(axes[1], evals, target)
+    _zoom_near_target(axes[1], evals, target, {n for n, o in outcomes.items() if o.oom_step is not None})
     axes[1].set_title("near the target")
     axes[0].plot([], [], marker="v", ms=8, color="white", mec="black", ls="none", label="time to target")
     axes[0].plot([], [], marker="X", ms=8, color="white", mec="black", ls="none", label="out of memory")
@@ -196,14 +197,18 @@ def _val_loss_figure(plt, records: dict[str, list[dict]], style: dict[str, dict]
     return fig
 
 
-def _zoom_near_target(ax, evals: dict[str, list[dict]], target: float) -> None:
-    """Limit ``ax`` to the losses from the lowest one to the highest final one (at most halfway
-    up to the highest loss of all) and to the times from when the first run enters that band."""
+def _zoom_near_target(ax, evals: dict[str, list[dict]], target: float, oom: set[str]) -> None:
+    """Limit ``ax`` to the losses from the lowest one to the highest final one of the runs that did
+    not run out of memory (an early oom ends high and would undo the zoom), at least a fifth and
+    at most half of the way from the target up to the highest loss of all, and to the times from
+    when the first run enters that band."""
     vals = [r["val_loss"] for ev in evals.values() for r in ev if math.isfinite(r["val_loss"])]
     if not vals:
         return
-    finals = [ev[-1]["val_loss"] for ev in evals.values() if ev and math.isfinite(ev[-1]["val_loss"])]
-    hi = max(target, min(max(finals, default=target), target + 0.5 * (max(vals) - target)))
+    finals = [ev[-1]["val_loss"] for n, ev in evals.items()
+              if ev and n not in oom and math.isfinite(ev[-1]["val_loss"])]
+    drop = max(vals) - target
+    hi = max(target, min(max([*finals, target + 0.2 * drop]), target + 0.5 * drop))
     lo = min(min(vals), target)
     pad = max(0.15 * (hi - lo), 0.01 * abs(target), 1e-3)
     ax.set_ylim(lo - pad, hi + 2 * pad)
