@@ -230,9 +230,10 @@ def _kept_ratio_figure(plt, out: Path, records: dict[str, list[dict]], style: di
     kept = {n: [(r["step"], r["kept_ratio"]) for r in rows if "kept_ratio" in r] for n, rows in records.items()}
     longest = max((k[-1][0] for k in kept.values() if k), default=0)
     window = max(1, min(50, round(longest / 40)))
-    drawn, full, lows = [], [], []
+    drawn, full, lows, empty = [], [], [], []
     for n, pairs in kept.items():
         if not pairs:
+            empty.append(n)  # e.g. out of memory at its first step
             continue
         steps, ratio = np.array(pairs).T
         if not (any(s in n for s in SELECTIVE) or ratio.min() < 1.0):
@@ -252,6 +253,8 @@ def _kept_ratio_figure(plt, out: Path, records: dict[str, list[dict]], style: di
         notes.append("every system kept every backward pair (kept ratio 1 at every step)")
     elif full:
         notes.append("kept every pair, not drawn: " + ", ".join(full))
+    if empty:
+        notes.append("no step recorded: " + ", ".join(empty))
     caps = [c for n in records if isinstance(c := _config(out / n).get("budget", {}).get("memory_bytes"), int)]
     if caps:
         notes.append(f"memory cap {max(caps) / 1e6:.1f} MB a rank")
