@@ -386,3 +386,21 @@ def test_lrmoe_replicas_that_cost_kept_rows_are_not_taken():
         assert kept > int(fixed.plan_call(counts_SE).quota_E.sum())
     except MemoryBudgetExceeded:
         pass  # a replica slot does not even fit beside the forward's rows
+
+
+def test_lrmoe_replica_count_is_searched_every_replan_interval():
+    """The replicas follow the load every step; their number is searched every replan_interval
+    steps (default 10): a hot expert that cools keeps its replicas until the next search."""
+    planner = _lrmoe_planner(50_000_000, 1e6)
+    hot, flat = torch.tensor([[400, 10, 10, 10, 10, 10, 10, 10]] * 2), torch.tensor([[60] * 8] * 2)
+    planner.plan_call(hot)
+    planner.step_end()
+    chosen = planner._replica_k
+    assert chosen and planner.placement.num_copies > 8
+    for step in range(2, 11):
+        planner.plan_call(flat)
+        planner.step_end()
+        if step < planner.search_interval:
+            assert planner._replica_k == chosen, step
+    assert planner.steps == 10 and planner._replica_k == 0 and planner.placement.num_copies == 8
+    assert planner.state()["replica_k"] == 0

@@ -99,8 +99,9 @@ class LayerPlanner(CapFitting):
         self.memory_R, _, self.fixed_slots_R = budget.per_rank(world) if budget is not None else (None, None, None)
         use_controller = self.memory_R is not None and spec.planner is Planner.CONTROLLER
         self.controller = Controller(config, budget, world) if use_controller else None
-        if use_controller:  # replicas chosen by cost every step (:meth:`_controller_replicas`)
-            self.replan_interval = 1
+        self._replica_k: int | None = None  # lrmoe: the extra slots its last cost search chose
+        if use_controller:  # replicas follow the load every step; their number is searched every replan_interval
+            self.search_interval, self.replan_interval = replan_interval, 1
         # a cap this planner keeps every call within by the byte model (lrmoe: its controller does)
         self.capped = self.memory_R is not None and self.controller is None
         self.bytes = ByteModel.of(config, spec.selective)
@@ -177,7 +178,7 @@ class LayerPlanner(CapFitting):
         else:
             self._adopt(self._step_placement(self.slots_R))
 
-    def _controller_replicas(self) -> Placement:
+    def _controller_replicas(self, in_call: bool = False) -> Placement:
         """lrmoe's replicas under its budget, chosen by cost at every step (docs/design.md "The
         paper's regime"). For k extra slots per rank (0, 1, 2, 3, 4, 6, 8, ... up to the
         controller's share of memory), replicas ∝ the smoothed load; on the last training call's
@@ -188,11 +189,17 @@ class LayerPlanner(CapFitting):
         fewer replicas). A replica costs memory (its slot, its gradient buffer, and, for a rank's
         first, a second copy of the owned weights) that would otherwise hold kept rows, so under
         a tight cap replicas are taken only where the imbalance they remove is worth more.
-        Before any call: owned experts only."""
+        Before any call: owned experts only. The search runs every ``replan_interval`` steps (and
+        when a call's forward does not fit); in between, the replicas follow the load with the
+        number it chose."""
         if self._last_SE is None:
             return self.base
         owned_R = [len(self.base.owned(r)) for r in range(self.world)]
         extra_R = [s - o for s, o in zip(self.default_slots_R, owned_R)]
+        if self._replica_k is not None and self.steps % self.search_interval and not in_call:
+            k = self._replica_k
+            return plan_replicas(self.base, self.load_E, [o + min(k, x) for o, x in zip(owned_R, extra_R)]) \
+                if k else self.base
         counts_SE, counts_E = self._last_SE, self._last_SE.sum(0)
         row_s, byte_s = self.costs.row_s, self.costs.byte_s
         scored = []
@@ -208,13 +215,15 @@ class LayerPlanner(CapFitting):
             fwd, bwd = rows_ER.sum(0).max(), torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).max()
             replicas = placement.num_copies - self.config.num_experts
             time = (int(fwd) + 2 * int(bwd)) * row_s / 3 + replicas * 2 * self.bytes.slot_params * byte_s
-            scored.append((int(quota_E.sum()), time, replicas, placement))
+            scored.append((int(quota_E.sum()), time, replicas, placement, k))
             if replicas == 0 and k:
                 break  # no slot beyond the owned ones: larger k plans the same
         if not scored:
+            self._replica_k = 0
             return self.base
         most = max(kept for kept, *_ in scored)
-        return min((s for s in scored if s[0] >= 0.99 * most), key=lambda s: (s[1], s[2]))[3]
+        *_, placement, self._replica_k = min((s for s in scored if s[0] >= 0.99 * most), key=lambda s: (s[1], s[2]))
+        return placement
 
     def _adopt(self, placement: Placement) -> None:
         """Make ``placement`` this layer's replica plan (flexmoe: the optimizer state it binds)."""
@@ -338,7 +347,7 @@ class LayerPlanner(CapFitting):
                     if not (training and self.keeps_replicas and self.fixed_slots_R is None):
                         raise
                     # re-plan the replicas by this call's rows; the new copies are fetched before any row moves
-                    self._adopt(self._controller_replicas())
+                    self._adopt(self._controller_replicas(in_call=True))
                     placement, fetch = self.placement, True
                     assign_ESR, chunk_rows_R = self._controller_forward(forward_SE, placement,
                                                                         self.assign(forward_SE, placement))
@@ -366,12 +375,14 @@ class LayerPlanner(CapFitting):
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict:
         return {"load_E": self.load_E.clone(), "steps": self.steps,
-                "slots": [list(s) for s in self.placement.slots], "trace": [t.clone() for t in self._trace]}
+                "slots": [list(s) for s in self.placement.slots], "trace": [t.clone() for t in self._trace],
+                "replica_k": self._replica_k}
 
     def load_state(self, state: dict) -> None:
         self.load_E = state["load_E"].clone()
         self.steps = int(state["steps"])
         self._trace = [t.clone() for t in state.get("trace", [])]
+        self._replica_k = state.get("replica_k")
         if self.spec.planner is Planner.SMARTMOE and len(self._trace) >= SMARTMOE_WARMUP:
             self._pool = self._build_pool(torch.stack(self._trace))
         if self.keeps_replicas:
