@@ -25,7 +25,7 @@ from lrmoe.sim.report import table_md
 from lrmoe.sim.run import Projection, SimConfig, routing_counts, simulate
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import rescale_counts, split_sources, zipf_counts
-from lrmoe.sim.whatif import what_if
+from lrmoe.sim.whatif import what_if, what_if_reference
 from tests.pool import RankPool
 
 CFG = MoEConfig(dim=32, ffn_dim=48, num_experts=8, top_k=2)
@@ -169,7 +169,7 @@ def test_cli_writes_table_and_results(tmp_path):
     table = (out / "table.md").read_text()
     assert "## qwen3-30b-a3b" in table and "## glm45-air" in table and "vs symi" in table
     assert "## What if" in table and set(doc["_what_if"]["qwen3-30b-a3b"]["60"]["lrmoe-local-sampled"]) == \
-        {"1.00", "1.05", "measured"}
+        {"against", "1.00", "1.05", "measured"}
     assert (out / "memory_sensitivity.png").stat().st_size > 0 and (out / "bandwidth_sensitivity.png").exists()
 
 
@@ -309,3 +309,10 @@ def test_what_if_grid():
     assert grid["measured"]["bench"] == pytest.approx(100 * (1096 - 1380 * 1.1) / 1096)
     assert what_if({**lrmoe, "steps_ratio": None}, symi, 48)["measured"]["0"] is None
     assert what_if(lrmoe, {**symi, "status": "oom"}, 48) == {}
+    # where symi does not fit, the fastest other system that does; one that plans nothing pays no host time
+    recompute = {"status": "ok", "device_step_ms": 1250.0, "host_ms": 0.0, "steps_ratio": 1.0,
+                 "moe_time_to_target_s": 1250.0}
+    rows = {"symi": {**symi, "status": "oom", "moe_time_to_target_s": None}, "static-recompute": recompute,
+            "static": {"status": "oom", "moe_time_to_target_s": None}, "lrmoe-local-sampled": lrmoe}
+    assert what_if_reference(rows) == "static-recompute"
+    assert what_if(lrmoe, recompute, 48)["1.00"]["1 ms"] == pytest.approx(100 * (1250 - 948) / 1250)

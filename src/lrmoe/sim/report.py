@@ -53,12 +53,16 @@ def headline_md(results: dict[str, dict]) -> list[str]:
     time to target."""
     out = ["## lrmoe against the best symi that fits", "",
            "| model | cap GiB | symi slots | symi device ms/step | lrmoe | lrmoe device ms/step | kept | keep mode "
-           "| symi time to target s | lrmoe time to target s | vs symi | device-only vs symi |",
-           "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+           "| symi time to target s | lrmoe time to target s | vs symi | device-only vs symi "
+           "| fastest other that fits | lrmoe vs it |",
+           "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
     for model, doc in results.items():
         for cap, rows in doc["caps"].items():
             symi = rows.get(SYMI, {})
             sym_ok = symi.get("status") == "ok"
+            others = [(o["moe_time_to_target_s"], n) for n, o in rows.items()
+                      if not n.startswith("lrmoe") and o.get("moe_time_to_target_s") is not None]
+            best = min(others) if others else None
             for name in _lrmoe_names(rows):
                 r = rows[name]
                 out.append(
@@ -68,23 +72,30 @@ def headline_md(results: dict[str, dict]) -> list[str]:
                     f"{_keep(r.get('keep_modes'))} | {_num(symi.get('moe_time_to_target_s'), '.0f')} | "
                     f"{_num(r.get('moe_time_to_target_s'), '.0f')} | "
                     f"{_pct(r.get('moe_time_to_target_s'), symi.get('moe_time_to_target_s'))} | "
-                    f"{_pct(r.get('device_time_to_target_s'), symi.get('device_time_to_target_s'))} |")
+                    f"{_pct(r.get('device_time_to_target_s'), symi.get('device_time_to_target_s'))} | "
+                    f"{'none' if best is None else f'{best[1]} ({best[0]:.0f} s)'} | "
+                    f"{_pct(r.get('moe_time_to_target_s'), None if best is None else best[0])} |")
     return out + [""]
 
 
 def what_if_md(results: dict[str, dict]) -> list[str]:
     """The what-if grids (lrmoe's steps × host planning) as one table per model."""
     out = ["## What if: lrmoe vs symi under other assumptions", "",
-           "MoE time to target of lrmoe against the best symi that fits, same simulated device time; "
-           "rows: lrmoe's steps to target (× static's; `measured`: the headline's, from the convergence "
-           "study), columns: host planning per layer call for both systems (`0`, `1 ms`, `bench`: the "
-           "headline's benchmark figures). `–`: symi or lrmoe does not fit; `not measured`: no measured "
-           "steps at lrmoe's kept ratio.", ""]
+           "Reduction of MoE time to target of lrmoe against the best symi that fits (where symi does not "
+           "fit: the fastest other system that does), same simulated device time; rows: lrmoe's steps to "
+           "target (× static's; `measured`: the headline's, from the convergence study), columns: host "
+           "planning per layer call of every system that plans (`0`, `1 ms`, `bench`: the headline's "
+           "benchmark figures). `not measured`: no measured steps at lrmoe's kept ratio.", ""]
     for model, doc in results.items():
-        out += [f"### {model}", "", "| cap GiB | lrmoe | steps | host 0 | host 1 ms | host bench |",
-                "|---:|---|---|---:|---:|---:|"]
+        out += [f"### {model}", "", "| cap GiB | lrmoe | against | steps | host 0 | host 1 ms | host bench |",
+                "|---:|---|---|---|---:|---:|---:|"]
         for cap, grids in doc.get("what_if", {}).items():
             for name, grid in grids.items():
+                against = grid.get("against")
+                if "measured" not in grid:  # nothing to compare
+                    why = f"{name} {doc['caps'][cap][name].get('status')}" + ("" if against else ", no other fits")
+                    out.append(f"| {cap} | {name} | {against or '–'} | – ({why}) | – | – | – |")
+                    continue
                 for steps in ("1.00", "1.05", "measured"):
                     row = grid.get(steps)
                     cells = [("–" if row is None else "not measured" if row[h] is None else f"{row[h]:+.1f} %")
@@ -92,7 +103,7 @@ def what_if_md(results: dict[str, dict]) -> list[str]:
                     label = steps
                     if steps == "measured" and doc["caps"][cap][name].get("steps_ratio") is not None:
                         label = f"measured ({doc['caps'][cap][name]['steps_ratio']:.3f})"
-                    out.append(f"| {cap} | {name} | {label} | " + " | ".join(cells) + " |")
+                    out.append(f"| {cap} | {name} | {against} | {label} | " + " | ".join(cells) + " |")
         out.append("")
     return out
 

@@ -35,7 +35,7 @@ from lrmoe.sim.plan import LayerCall, SystemPlanner
 from lrmoe.sim.report import plot_sensitivity, write_results
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import load_trace, pick_layers, rescale_counts, zipf_counts
-from lrmoe.sim.whatif import what_if
+from lrmoe.sim.whatif import what_if, what_if_reference
 from lrmoe.systems import PlacementKind, parse_system_name
 
 DTYPE_BYTES = 2  # bf16
@@ -276,10 +276,11 @@ class Projection:
                 step = self.step_bytes(run.calls)
                 trials.append({"budget_bytes": M, "step_peak_bytes": step})
                 if step <= cap:
+                    same = fit_run is not None and self.step_bytes(fit_run.calls) == step
                     if fit_M is None or fit_M < M:
                         fit_run, fit_M = run, M
-                    if cap - step <= BUDGET_TOLERANCE * cap:
-                        break
+                    if cap - step <= BUDGET_TOLERANCE * cap or (same and fit_M == M):
+                        break  # close enough, or a larger budget changed nothing (every call keeps all it can)
                     nxt = M + (cap - step)
                     if over_M is not None:
                         nxt = min(nxt, (M + over_M) // 2)
@@ -351,8 +352,9 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
                 for name, calls in calls_by.items()}
         key = f"{cap_gib:g}"
         caps[key] = rows
-        grids[key] = {n: what_if(r, rows["symi"], spec.moe_layers) for n, r in rows.items()
-                      if parse_system_name(n).spec.compacts}
+        against = what_if_reference(rows)
+        grids[key] = {n: {"against": against, **({} if against is None else what_if(r, rows[against], spec.moe_layers))}
+                      for n, r in rows.items() if parse_system_name(n).spec.compacts}
         kept_calls[key] = calls_by
     bar.close()
     meta = {
