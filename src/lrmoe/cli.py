@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--selection", default="local-sampled", help="lrmoe's selection: its exchange and its "
                     "steps to target (lrm, random, local, sampled, local-sampled; default local-sampled)")
     sm.add_argument("--lrmoe-slots", default="search", help="lrmoe replica slots: search (the controller's "
-                    "per-step cost search, default) or symi (symi's default count, fixed)")
+                    "cost search, default) or symi (symi's default count, fixed)")
     sm.add_argument("--network-budget", type=float, default=1.0, help="lrmoe's network budget per backward, "
                     "x a balanced rank's dy, x and dx of every pair (default 1; 0: none)")
     sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
