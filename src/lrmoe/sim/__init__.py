@@ -1,7 +1,9 @@
 """Paper-scale projection of MoE-layer training time to target and memory (docs/simulation.md).
 
 One idea per module, data flowing one way: ``models`` (real shapes) → ``trace`` (routing
-counts) → ``plan`` (the library's placement, quotas and redistribution) → ``memory`` /
-``budget`` (expert-side and whole-step bytes) → ``hardware`` / ``cost`` (α–β all-to-all,
-roofline GEMMs) → ``target`` (steps to target from a compare run) → ``run`` → ``report``.
+counts) → ``plan`` (the library's placement, quotas, keep modes and redistribution; ``host``:
+host planning from the benchmark's recorded figures) → ``memory`` / ``budget`` (expert-side and
+whole-step bytes) → ``hardware`` / ``cost`` (α–β all-to-all, roofline GEMMs) → ``target``
+(steps to target from measured runs) → ``run`` (the fair rules: slot and budget searches) →
+``whatif`` → ``report``.
 """
