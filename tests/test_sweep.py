@@ -74,6 +74,7 @@ def test_sweep_shares_the_reference_and_runs_every_system_under_each_cap(tmp_pat
     assert doc["systems"]["static"][0]["oom_step"] == 2
     assert [r["steps_to_target"] for r in doc["systems"]["lrmoe"]] == [2, 2]
     assert "static-uncapped" not in doc["systems"]
+    assert doc["reference"]["name"] == "static-uncapped" and doc["reference"]["steps_to_target"] == 2
     assert json.loads((tmp_path / "sweep.json").read_text()) == doc
     assert (tmp_path / "sweep.png").stat().st_size > 0
     assert "oom@2" in sweep.sweep_table(doc)

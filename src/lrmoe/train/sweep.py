@@ -9,9 +9,9 @@ A cap is bytes (``70000000``, ``70MB``, ``66.8MiB``, ``1.5GiB``) or a fraction o
 reference's own peak expert-side bytes (``0.8x``): the fraction names the regime ("20 % below
 what static needs") independently of the model's shape.
 
-Written to ``out``: ``sweep.json`` (``{"target_loss", "reference_peak_bytes", "caps": [{"label",
-"memory_cap_bytes", "folder"}], "systems": {name: [per cap: results.json's entry]}}``) and
-``sweep.png``.
+Written to ``out``: ``sweep.json`` (``{"target_loss", "reference_peak_bytes", "reference":
+{"name", results.json's entry}, "caps": [{"label", "memory_cap_bytes", "folder"}], "systems":
+{name: [per cap: results.json's entry]}}``) and ``sweep.png``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def parse_cap(text: str) -> tuple[str, float]:
                           "1.5GiB) or a fraction of the uncapped reference's peak (0.8x)")
     value = float(m.group(1))
     if unit == "x":
-        if not 0 < value:
+        if value <= 0:
             raise ConfigError(f"--memory-caps entry {text!r} is invalid: a fraction must be > 0")
         return "fraction", value
     n = value * _UNITS[unit]
@@ -102,6 +102,7 @@ def run_sweep(cfg: RunConfig, systems: tuple[str, ...], caps: list[str], out: Pa
         points.append({"label": label, "memory_cap_bytes": cap, "folder": folder.name})
     names = [n for n in dict.fromkeys(n for d in docs for n in d["systems"]) if n != ref_run]
     doc = {"target_loss": docs[0]["target_loss"], "reference_peak_bytes": peak, "caps": points,
+           "reference": {"name": ref_run, **docs[0]["systems"][ref_run]},
            "systems": {n: [d["systems"].get(n) for d in docs] for n in names}}
     (out / "sweep.json").write_text(json.dumps(doc, indent=2))
     print(sweep_table(doc))
@@ -139,7 +140,7 @@ def plot_sweep(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     caps_mb = [c["memory_cap_bytes"] / 1e6 for c in doc["caps"]]
-    reached = [r["moe_time_to_target_s"] for rows in doc["systems"].values() for r in rows
+    reached = [r["moe_time_to_target_s"] for rows in [*doc["systems"].values(), [doc.get("reference")]] for r in rows
                if r and r["status"] == "reached"]
     top = 1.1 * max(reached) if reached else 1.0
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
@@ -151,10 +152,16 @@ def plot_sweep(doc: dict, path: Path) -> None:
         else:
             ax.plot([], [], marker="o", color=color, label=name)
         for c, r in zip(caps_mb, rows):
-            if r and r["status"] != "reached":
-                ax.plot([c], [top], marker="x" if r["status"] == "oom" else "^", color=color, ms=9, ls="")
+            if r and r["status"] != "reached":  # one row of marks per system, so none hides another
+                ax.plot([c], [top * (1 - 0.035 * i)], marker="x" if r["status"] == "oom" else "^", color=color,
+                        ms=8, ls="")
     ax.axhline(top, color="grey", lw=0.5, ls=":")
-    ax.text(min(caps_mb), top, "  x: out of memory   ^: never reached", va="bottom", fontsize=8, color="grey")
+    ax.text(min(caps_mb), top, "  x: out of memory   ^: never reached (one row per system)", va="bottom",
+            fontsize=8, color="grey")
+    ref = doc.get("reference")
+    if ref and ref.get("status") == "reached":
+        ax.plot([doc["reference_peak_bytes"] / 1e6], [ref["moe_time_to_target_s"]], marker="*", color="black",
+                ms=12, ls="", label=f"{ref['name']} (at its peak)")
     ax.axvline(doc["reference_peak_bytes"] / 1e6, color="grey", ls="--", lw=1)
     ax.text(doc["reference_peak_bytes"] / 1e6, 0, " reference's uncapped peak", rotation=90, va="bottom",
             fontsize=8, color="grey")
