@@ -45,8 +45,8 @@ class Controller:
     # ------------------------------------------------------------------ slots
     def slots(self, base: Placement) -> list[int]:
         """Expert slots per rank: the budget's fixed slots, or owned experts plus a share of the
-        remaining memory (the most the per-step cost search may use). Raises :class:`MemoryBudgetExceeded` if a rank cannot hold one copy of
-        each expert it owns."""
+        remaining memory (the most the per-step cost search may use). Raises
+        :class:`MemoryBudgetExceeded` if a rank cannot hold one copy of each expert it owns."""
         out = []
         for r in range(self.world):
             owned = len(base.owned(r))
