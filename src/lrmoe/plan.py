@@ -179,8 +179,8 @@ class LayerPlanner(CapFitting):
             self._adopt(self._step_placement(self.slots_R))
 
     def _controller_replicas(self, in_call: bool = False) -> Placement:
-        """lrmoe's replicas under its budget, chosen by cost at every step (docs/design.md "The
-        paper's regime"). For k extra slots per rank (0, 1, 2, 3, 4, 6, 8, ... up to the
+        """lrmoe's replicas under its budget: re-planned every step, their number chosen by cost
+        (docs/design.md "The paper's regime"). For k extra slots per rank (0, 1, 2, 3, 4, 6, 8, ... up to the
         controller's share of memory), replicas ∝ the smoothed load; on the last training call's
         counts each plan whose forward fits is scored by the pairs the controller's quotas keep
         and by a predicted time: the slowest rank's forward rows and kept backward rows at the
