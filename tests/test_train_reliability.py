@@ -35,7 +35,7 @@ BAD = [
                        ("checkpoint_every", -1), ("nproc", 0), ("ep_size", 3), ("vocab_size", 100),
                        ("val_fraction", 0.9), ("bias_update_rate", -1), ("capacity_factor", 0),
                        ("replan_interval", 0), ("on_nonfinite", "ignore"), ("device", "tpu"),
-                       ("routing_trace", "runs/x/routing.npz")]),
+                       ("routing_trace", "runs/x/routing.npz"), ("keep_checkpoints", 0)]),
     (CompareConfig, {}, [("systems", ("static", "warp")), ("target_fraction", 0), ("budget_factor", 0.5)]),
     (ModelConfig, {}, [("vocab_size", 0), ("dim", 0), ("n_layers", 0), ("n_heads", 3), ("seq_len", 0),
                        ("first_dense_layers", 9), ("dense_ffn_dim", 0)]),
@@ -117,8 +117,9 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path, monkeypatch, capsys):
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in recs] == [False, False, True]
     assert "step 3: non-finite" in capsys.readouterr().err
-    a = torch.load(tmp_path / "ckpt" / "step_0000002" / "rank_0.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "ckpt" / "step_0000003" / "rank_0.pt", weights_only=False)["model"]
+    a = checkpoint.read_tensors(checkpoint.step_folder(tmp_path, 2), "model/")
+    b = checkpoint.read_tensors(checkpoint.step_folder(tmp_path, 3), "model/")
+    assert a.keys() == b.keys() and any("experts" in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point() and "bias" not in k), \
         "a skipped step changes no parameter"
 
@@ -134,44 +135,56 @@ def test_nonfinite_stop(tmp_path, monkeypatch):
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    real_save = torch.save
-    calls = {"n": 0}
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    def failing_save(obj, f):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the second checkpoint: half written, then the process "dies"
-            f.write(b"partial")
-            raise OSError("disk died")
-        real_save(obj, f)
+    real_save, real_write = checkpoint.dcp.save, filesystem._write_item
+    calls = {"saves": 0, "writes": 0}
 
-    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    def counting_save(*args, **kwargs):
+        calls["saves"] += 1
+        return real_save(*args, **kwargs)
+
+    def failing_write(transforms, stream, data, write_item, *args):
+        if calls["saves"] == 2:  # the second checkpoint: some tensors written, then the disk "dies"
+            calls["writes"] += 1
+            if calls["writes"] == 5:
+                stream.write(b"partial")
+                raise OSError("disk died")
+        return real_write(transforms, stream, data, write_item, *args)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", counting_save)
+    monkeypatch.setattr(filesystem, "_write_item", failing_write)
     cfg = tiny(system="static", steps=4, nproc=1, checkpoint_every=2, eval_every=100)
-    with pytest.raises(OSError, match="disk died"):
+    with pytest.raises(CheckpointException, match="disk died"):
         train(cfg, tmp_path)
-    assert (tmp_path / "ckpt" / "latest").read_text() == "2"
-    assert not (tmp_path / "ckpt" / "step_0000004" / "rank_0.pt").exists()
-    assert checkpoint.load_latest(tmp_path, 0)["step"] == 2
-    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    root = tmp_path / "ckpt"
+    assert (root / "latest").read_text() == "2"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000002", "step_0000004.tmp"]
+    assert checkpoint.candidates(tmp_path) == [2]
+    monkeypatch.setattr(filesystem, "_write_item", real_write)
     train(cfg, tmp_path, resume=True)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4], "a resume appends without duplicating steps"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000002", "step_0000004"]
 
 
-def test_corrupt_checkpoint_falls_back_and_torn_metrics_line(tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["__0_0.distcp", ".metadata", "meta.json"])
+def test_corrupt_checkpoint_falls_back_and_torn_metrics_line(tmp_path, capsys, damage):
     cfg = tiny(system="lrmoe", steps=4, nproc=1, checkpoint_every=2, eval_every=100, backward={"ratio": 0.5})
     train(cfg, tmp_path / "straight")
     train(cfg, tmp_path / "run")
-    newest = tmp_path / "run" / "ckpt" / "step_0000004" / "rank_0.pt"
+    newest = tmp_path / "run" / "ckpt" / "step_0000004" / damage
     newest.write_bytes(newest.read_bytes()[:100])  # truncated
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 1.')  # a torn line from a crash
     train(cfg.with_train(steps=4), tmp_path / "run", resume=True)
     assert "unreadable" in capsys.readouterr().out
     assert losses(tmp_path / "run") == losses(tmp_path / "straight")
-    for path in (tmp_path / "run" / "ckpt").glob("step_*/rank_0.pt"):
+    for path in (tmp_path / "run" / "ckpt").glob("step_*/*"):
         path.write_bytes(b"junk")
     with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint"):
-        checkpoint.load_latest(tmp_path / "run", 0)
+        checkpoint.load_latest(tmp_path / "run", lambda index, meta: {}, None, 0)
 
 
 # ------------------------------------------------------------------- a rank killed mid-run

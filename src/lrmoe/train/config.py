@@ -49,7 +49,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 25
     eval_batches: int = 4
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end (every eval_every steps when ranks may restart)
+    keep_checkpoints: int = 2  # the newest this many stay, so a corrupt newest one has a predecessor
     nproc: int = 2
     ep_size: int = 0  # ranks per expert-parallel group; 0: all ranks form one group
     data: str = DEFAULT_CORPUS
@@ -65,7 +66,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ConfigError(f"train.system={self.system!r} is invalid: expected one of {SYSTEMS}")
-        for name in ("steps", "batch", "eval_every", "eval_batches", "nproc", "vocab_size", "replan_interval"):
+        for name in ("steps", "batch", "eval_every", "eval_batches", "nproc", "vocab_size", "replan_interval",
+                     "keep_checkpoints"):
             require_int(f"train.{name}", getattr(self, name), 1)
         for name in ("warmup", "checkpoint_every", "ep_size", "seed"):
             require_int(f"train.{name}", getattr(self, name), 0)
@@ -87,6 +89,15 @@ class TrainConfig:
             raise ConfigError(f"train.device={self.device!r} is invalid: expected 'auto', 'cpu' or 'cuda'")
         if self.on_nonfinite not in ("skip", "stop"):
             raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
+
+
+def with_restart_checkpoints(cfg: RunConfig, max_restarts: int) -> RunConfig:
+    """``cfg`` as a run torchrun may restart ``max_restarts`` times: left at 0 (at the end only),
+    ``train.checkpoint_every`` would send a restarted rank back to step 0, so it becomes
+    ``train.eval_every``; a value the user set stays."""
+    if max_restarts > 0 and cfg.train.checkpoint_every == 0:
+        return cfg.with_train(checkpoint_every=cfg.train.eval_every)
+    return cfg
 
 
 def parse_system_name(name: str) -> SystemName:

@@ -6,6 +6,9 @@ rank 0 writes it to ``out/config.toml`` only once the run has started (a resume 
 changes nothing in ``out``). A rank that meets a user error (config, data, checkpoint) writes
 its one-line message to an error file and exits with :data:`USER_ERROR_EXIT`; the launcher then
 stops the other ranks, swallows torchrun's report and raises :class:`RankError` with that line.
+Where the ranks meet (one machine, or several: :mod:`lrmoe.train.rendezvous`) is torchrun's
+business; a run that torchrun may restart checkpoints every ``train.eval_every`` steps unless
+``train.checkpoint_every`` says otherwise (:func:`~lrmoe.train.config.with_restart_checkpoints`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from lrmoe.train.config import ConfigError, RunConfig, dump_toml
+from lrmoe.train.config import ConfigError, RunConfig, dump_toml, with_restart_checkpoints
 from lrmoe.train.data import TokenData, check_fits
+from lrmoe.train.rendezvous import Rendezvous, current_rendezvous
 
 USER_ERROR_EXIT = 3  # a rank's exit status after it wrote a user error to the error file
 RUN_FILES = ("config.toml", "metrics.jsonl", "routing.npz", "summary.json", "results.json", "report.md", "sweep.json")
@@ -78,9 +82,12 @@ def clear_outputs(out: Path) -> None:
 
 def check_out(out: Path, resume: bool, overwrite: bool) -> None:
     """Refuse (ConfigError) an ``--out`` that holds something, unless the run resumes there or
-    replaces it; with ``overwrite``, earlier outputs are removed (:func:`clear_outputs`)."""
+    replaces it; with ``overwrite``, earlier outputs are removed (:func:`clear_outputs`). On a
+    machine other than node 0 of a multi-machine run, ``--out`` is node 0's to prepare."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other: continue the run in --out or replace it")
+    if not current_rendezvous().prepares_out:
+        return
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not (resume or overwrite):
@@ -129,13 +136,28 @@ def _run_ranks(cmd: list[str], env: dict, error_path: Path) -> int:
     return proc.returncode
 
 
+def torchrun_command(cfg: RunConfig, worker_args: list[str], max_restarts: int = 0,
+                     rendezvous: Rendezvous | None = None) -> list[str]:
+    """The torchrun command line of one run: the rendezvous (:mod:`lrmoe.train.rendezvous`;
+    ``--standalone`` by default), ``cfg.train.nproc`` ranks in all, then the worker's arguments."""
+    rendezvous = rendezvous or current_rendezvous()
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(cfg.train.nproc),
+            f"--max-restarts={max_restarts}", "-m", "lrmoe.train.worker", *worker_args]
+
+
 def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | None = None,
-           stop_at: float | None = None, eval_at: tuple[int, ...] = (), max_restarts: int = 0) -> dict:
+           stop_at: float | None = None, eval_at: tuple[int, ...] = (), max_restarts: int = 0,
+           rendezvous: Rendezvous | None = None) -> dict:
     """Run the ranks of ``cfg`` into ``out``; returns the summary. A fresh run (no ``resume``)
     first removes earlier outputs in ``out`` (:func:`clear_outputs`; the command line refuses a
-    used ``--out`` unless ``--overwrite``). A user error in a rank raises :class:`RankError`."""
+    used ``--out`` unless ``--overwrite``), on node 0 only when the run spans machines. With
+    ``max_restarts`` > 0 and ``train.checkpoint_every`` = 0, checkpoints come every
+    ``train.eval_every`` steps. A user error in a rank raises :class:`RankError`."""
     out = Path(out)
-    if not resume:
+    rendezvous = rendezvous or current_rendezvous()
+    cfg = with_restart_checkpoints(cfg, max_restarts)
+    rendezvous.torchrun_args(cfg.train.nproc)  # a bad --nnodes fails before anything is touched
+    if not resume and rendezvous.prepares_out:
         clear_outputs(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lrmoe-launch-") as tmp:
@@ -151,9 +173,7 @@ def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | Non
         if eval_at:
             worker += ["--eval-at", *map(str, eval_at)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.train.nproc}",
-               f"--max-restarts={max_restarts}", "-m", "lrmoe.train.worker", *worker]
-        code = _run_ranks(cmd, env, error_path)
+        code = _run_ranks(torchrun_command(cfg, worker, max_restarts, rendezvous), env, error_path)
         if error_path.exists():
             report = json.loads(error_path.read_text())
             raise RankError(report["message"], report.get("exit", 2))

@@ -5,13 +5,15 @@ what each step records (``metrics.jsonl``, ``summary.json``): :mod:`lrmoe.train.
 ``routing.npz`` holds ``counts`` (steps × MoE layers × experts), the global routing counts of
 every step, as traces for the simulator. Rank 0 writes the resolved config to ``config.toml``
 once every rank has started (or resumed) the run: a resume that fails leaves ``out`` as it was.
+Checkpoints (:mod:`lrmoe.train.checkpoint`, :mod:`lrmoe.train.state`) load at any world size
+and expert-parallel size; the step count, the data position (windows drawn) and the learning
+rate schedule continue from them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 
 from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.models import MoETransformer
@@ -29,9 +32,10 @@ from lrmoe.train.data import Batches, TokenData
 from lrmoe.train.files import atomic_write
 from lrmoe.train.groups import Groups, all_reduce, reduce_gradients, train_device
 from lrmoe.train.metrics import Progress, grad_norm, step_metrics, val_entry
+from lrmoe.train.state import TrainState
 
 # Groups and reduce_gradients stay importable from here, where they lived before the split
-__all__ = ["Groups", "PeerRankError", "evaluate", "reduce_gradients", "train"]
+__all__ = ["Groups", "PeerRankError", "TrainStream", "evaluate", "reduce_gradients", "train"]
 
 
 class PeerRankError(RuntimeError):
@@ -72,36 +76,69 @@ def _end_moe_step(model: MoETransformer, groups: Groups, t: TrainConfig) -> floa
     return placement_s
 
 
-def _mismatch(e: Exception) -> str:
-    """The first difference a failed ``load_state_dict`` names, in a few words."""
-    text = " ".join(str(e).split())
-    m = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from checkpoint, "
-                  r"the shape in current model is torch.Size\((\[.*?\])\)", text)
-    if m:
-        return f"{m[1]} is {m[2]} there, {m[3]} here"
-    return text[:200]
+class TrainStream(Batches):
+    """:class:`Batches` whose training windows go on from a position: ``origin`` windows of the
+    permutation were drawn before step ``origin_step``. A run resumed at another data-parallel
+    size (so another global batch) thus continues where its checkpoint stopped; with the same
+    size the windows are those of :class:`Batches`."""
+
+    origin_step = 0
+    origin = 0
+
+    def position(self, step: int) -> int:
+        """Windows drawn before ``step`` (not wrapped around the permutation)."""
+        return self.origin + (step - self.origin_step) * self.batch * self.dp_size
+
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        per_step = self.batch * self.dp_size
+        picks = self.order[(self.position(step) + np.arange(per_step)) % len(self.order)]
+        mine = picks[self.dp_rank * self.batch : (self.dp_rank + 1) * self.batch]
+        return self._windows(self.data.train, mine * self.seq_len)
 
 
-def _start(cfg: RunConfig, out: Path, resume: bool, model: MoETransformer, opt: torch.optim.Optimizer,
+def _targets(state: TrainState, out: Path) -> checkpoint.TargetsFn:
+    """What a rank reads from a checkpoint (its state's keys and the run's routing history),
+    after checking that the checkpoint's model is this one."""
+
+    def targets(index: Metadata, meta: dict) -> dict[str, torch.Tensor]:
+        problem = state.misfit(index)
+        if problem:
+            raise checkpoint.CheckpointError(
+                f"--resume: the checkpoint of step {meta.get('step')} in {out} does not fit this run ({problem}); "
+                f"resume with the model config it was written with")
+        return {**state.targets(index), **checkpoint.empty_like_saved(index, "history/")}
+
+    return targets
+
+
+def _save(out: Path, step: int, state: TrainState, stream: TrainStream, history: dict, groups: Groups,
+          keep: int) -> None:
+    tensors = state.capture()
+    if history["routing"]:
+        tensors["history/routing"] = torch.tensor(history["routing"], dtype=torch.float64)
+    meta = {"windows": stream.position(step), "world": groups.world, "ep_size": groups.ep_size,
+            "history": {k: v for k, v in history.items() if k != "routing"}}
+    checkpoint.save(out, step, tensors, meta, groups.world_group, groups.rank, keep)
+
+
+def _start(cfg: RunConfig, out: Path, resume: bool, state: TrainState, stream: TrainStream,
            groups: Groups) -> tuple[int, dict]:
-    """(the step to start from, the run history): from the last good checkpoint with ``resume``.
-    Every rank agrees that it could start before rank 0 writes ``config.toml`` and trims
-    ``metrics.jsonl`` to the checkpoint; a checkpoint that exists but does not fit this run is a
-    CheckpointError."""
+    """(the step to start from, the run history): from the last good checkpoint with ``resume``,
+    at whatever world size and expert-parallel size it was written. Every rank agrees that it
+    could start before rank 0 writes ``config.toml`` and trims ``metrics.jsonl`` to the
+    checkpoint; a checkpoint that exists but does not fit this run is a CheckpointError."""
     start, history = 0, {"moe_time_s": 0.0, "wall_s": 0.0, "val": [], "routing": []}
     error = None
     if resume:
         try:
-            state = checkpoint.load_latest(out, groups.rank)
-            if state is not None:
-                try:
-                    start = checkpoint.restore(state, model, opt)
-                except (RuntimeError, KeyError, ValueError) as e:
-                    raise checkpoint.CheckpointError(
-                        f"--resume: the checkpoint of step {state.get('step')} in {out} does not fit this run "
-                        f"({_mismatch(e)}); resume with the config, --nproc and --ep-size it was written with"
-                    ) from None
-                history = {**history, **state["history"]}
+            found = checkpoint.load_latest(out, _targets(state, out), groups.world_group, groups.rank)
+            if found is not None:
+                meta, flat = found
+                state.restore(flat)
+                start = int(meta["step"])
+                stream.origin_step, stream.origin = start, int(meta["windows"])
+                routing = flat.get("history/routing")
+                history = {**history, **meta["history"], "routing": [] if routing is None else routing.tolist()}
         except checkpoint.CheckpointError as e:
             error = e
     ok = all_reduce(torch.tensor([0.0 if error else 1.0]), groups.world_group, dist.ReduceOp.MIN)
@@ -130,13 +167,14 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
     groups = Groups(world_group, t.ep_size)
     torch.set_num_threads(1)
     data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
-    batches = Batches(data, cfg.model.seq_len, t.batch, groups.dp_rank, groups.dp_size, t.seed)
+    batches = TrainStream(data, cfg.model.seq_len, t.batch, groups.dp_rank, groups.dp_size, t.seed)
     device = train_device(cfg)
     model = build_model(cfg, data.vocab_size, groups).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     total_steps = max_steps or t.steps
     lead = groups.rank == 0
-    start, history = _start(cfg, out, resume, model, opt, groups)
+    state = TrainState(model, opt, groups)
+    start, history = _start(cfg, out, resume, state, batches, groups)
     metrics_path = out / "metrics.jsonl"
     progress = Progress(total_steps, start, lead)
     eval_steps = set(eval_at)
@@ -192,7 +230,7 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
             progress.update(done, record["loss"], record["tokens_per_s"], lr, record.get("val_loss"))
         reached = stop_at is not None and record.get("val_loss", math.inf) <= stop_at
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == total_steps or reached:
-            checkpoint.save(out, groups.rank, done, model, opt, history, world_group)
+            _save(out, done, state, batches, history, groups, t.keep_checkpoints)
         if reached:
             summary.update(stopped_at_target=True, status="reached")
             break
