@@ -13,7 +13,7 @@ import torch
 from lrmoe import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.models import ModelConfig, MoETransformer
 from lrmoe.train import checkpoint
-from lrmoe.train.config import CompareConfig, ConfigError, TrainConfig, from_dict
+from lrmoe.train.config import CompareConfig, ConfigError, TrainConfig, from_dict, load
 from lrmoe.train.loop import train
 from tests.test_train import _cli, _config_file, losses, tiny
 
@@ -191,7 +191,9 @@ def test_corrupt_checkpoint_falls_back_and_torn_metrics_line(tmp_path, capsys, d
 
 
 def test_rank_killed_restarts_from_checkpoint(tmp_path):
-    cfg = _config_file(tmp_path, system="lrmoe", steps=6, checkpoint_every=2, eval_every=100,
+    """train.checkpoint_every is left at 0: with --max-restarts the run checkpoints every
+    eval_every (2) steps, so the restarted ranks go on from step 2, not from step 0."""
+    cfg = _config_file(tmp_path, system="lrmoe", steps=6, eval_every=2,
                        budget={"memory_bytes": 300_000}, backward={"ratio": 0.75})
     straight = tmp_path / "straight"
     r = _cli("train", "--config", str(cfg), "--out", str(straight))
@@ -206,6 +208,8 @@ def test_rank_killed_restarts_from_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"exitcode: {-signal.SIGKILL}" in r.stderr, "the fault fired: rank 1 died of SIGKILL"
     assert losses(faulty) == losses(straight), "the restarted run ends where the uninterrupted one does"
+    assert load(faulty / "config.toml").train.checkpoint_every == 2
+    assert r.stderr.count("| 1/6 [") == r.stderr.count("| 2/6 [") == 1, "steps 1 and 2 ran once"
     assert [json.loads(line)["step"] for line in (faulty / "metrics.jsonl").read_text().splitlines()] == \
         list(range(1, 7))
 
