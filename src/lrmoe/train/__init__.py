@@ -2,7 +2,8 @@
 
 ``config`` (run config, validation), ``data`` (corpus, tokenizer, batches), ``groups`` (EP/DP
 process groups, all-reduces, device), ``build`` (the model, routing traces), ``metrics`` (per-step
-records, progress), ``loop`` (the training loop), ``checkpoint`` / ``files`` (crash-safe state),
-``worker`` (a rank's entry point), ``launch`` (starting the ranks), ``compare`` / ``report``
-(``lrmoe compare`` and its report).
+records, progress), ``loop`` (the training loop), ``state`` (a rank's state under keys that do
+not depend on the world size), ``checkpoint`` / ``files`` (crash-safe state), ``worker`` (a rank's
+entry point), ``launch`` / ``rendezvous`` (starting the ranks, on one machine or several),
+``compare`` / ``report`` (``lrmoe compare`` and its report), ``sweep`` (``--memory-caps``).
 """
