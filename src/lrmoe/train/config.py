@@ -62,6 +62,7 @@ class TrainConfig:
     on_nonfinite: str = "skip"  # "skip" the step or "stop" the run
     routing_trace: str = ""  # smartmoe: a routing.npz of an earlier run for its offline pool
     device: str = "auto"  # "auto" (CUDA when available, with NCCL), "cpu" (gloo) or "cuda"
+    tensorboard: bool = False  # also write every metrics.jsonl record to out/tensorboard (lrmoe[tensorboard])
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -89,6 +90,8 @@ class TrainConfig:
             raise ConfigError(f"train.device={self.device!r} is invalid: expected 'auto', 'cpu' or 'cuda'")
         if self.on_nonfinite not in ("skip", "stop"):
             raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
+        if not isinstance(self.tensorboard, bool):
+            raise ConfigError(f"train.tensorboard={self.tensorboard!r} is invalid: expected true or false")
 
 
 def with_restart_checkpoints(cfg: RunConfig, max_restarts: int) -> RunConfig:

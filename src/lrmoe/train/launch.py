@@ -50,8 +50,16 @@ def write_error(path: Path, message: str, exit_code: int = 2) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """What the launcher can check before any rank starts: the corpus (tokenized once here and
-    cached for the ranks) holds one global batch in its training and validation splits."""
+    cached for the ranks) holds one global batch in its training and validation splits, and the
+    TensorBoard writer a run asks for is installed."""
     t = cfg.train
+    if t.tensorboard:
+        import importlib.util
+
+        from lrmoe.train.metrics import TENSORBOARD_MISSING
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(TENSORBOARD_MISSING)
     data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
     check_fits(data, cfg.model.seq_len, t.batch, t.nproc // (t.ep_size or t.nproc))
 
@@ -70,7 +78,7 @@ def clear_outputs(out: Path) -> None:
     for p in out.iterdir():
         if p.is_symlink() and is_run_folder(p):  # a cap sweep's link to its shared reference run
             p.unlink()
-        elif p.is_dir() and p.name == "ckpt":
+        elif p.is_dir() and p.name in ("ckpt", "tensorboard"):
             shutil.rmtree(p)
         elif p.is_dir() and is_run_folder(p):
             clear_outputs(p)

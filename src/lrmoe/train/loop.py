@@ -31,7 +31,7 @@ from lrmoe.train.config import RunConfig, TrainConfig, dump_toml
 from lrmoe.train.data import Batches, TokenData
 from lrmoe.train.files import atomic_write
 from lrmoe.train.groups import Groups, all_reduce, reduce_gradients, train_device
-from lrmoe.train.metrics import Progress, grad_norm, step_metrics, val_entry
+from lrmoe.train.metrics import Progress, TensorBoardLog, grad_norm, step_metrics, val_entry
 from lrmoe.train.state import TrainState
 
 # Groups and reduce_gradients stay importable from here, where they lived before the split
@@ -177,6 +177,7 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
     start, history = _start(cfg, out, resume, state, batches, groups)
     metrics_path = out / "metrics.jsonl"
     progress = Progress(total_steps, start, lead)
+    board = TensorBoardLog(out) if lead and t.tensorboard else None
     eval_steps = set(eval_at)
     summary = {"stopped_at_target": False, "status": "done"}
     t_run, wall_before = time.time(), history["wall_s"]
@@ -228,6 +229,8 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         if lead:
             checkpoint.append_jsonl(metrics_path, record)
             progress.update(done, record["loss"], record["tokens_per_s"], lr, record.get("val_loss"))
+            if board is not None:
+                board.log(record)
         reached = stop_at is not None and record.get("val_loss", math.inf) <= stop_at
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == total_steps or reached:
             _save(out, done, state, batches, history, groups, t.keep_checkpoints)
@@ -237,6 +240,8 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
         if after_step is not None:
             after_step(done, groups.rank)
     progress.close()
+    if board is not None:
+        board.close()
     if lead:
         np.savez_compressed(out / "routing.npz", counts=np.asarray(history["routing"], dtype=np.float32))
     summary.update(steps=len(history["routing"]), val=history["val"], moe_time_s=history["moe_time_s"],

@@ -108,6 +108,46 @@ def val_entry(v) -> dict:
     return v if isinstance(v, dict) else {"step": v[0], "loss": v[1], "moe_time_s": v[2]}
 
 
+TENSORBOARD_MISSING = ("train.tensorboard = true needs the tensorboard package: "
+                       "pip install 'lrmoe[tensorboard]' (or set train.tensorboard = false)")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A metrics.jsonl record as TensorBoard scalars: numbers as they are, per-layer lists as
+    ``name/layer{i}``; the step, flags and text left out."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, (bool, str)):
+            continue
+        if isinstance(value, (int, float)):
+            out[key] = float(value)
+        elif isinstance(value, list):
+            out.update({f"{key}/layer{i}": float(v) for i, v in enumerate(value)})
+    return out
+
+
+class TensorBoardLog:
+    """Every metrics.jsonl record also as TensorBoard scalars in ``out/tensorboard`` (rank 0,
+    ``train.tensorboard = true``); a resumed run appends to the same folder."""
+
+    def __init__(self, out: Path, writer=None) -> None:
+        if writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError(TENSORBOARD_MISSING) from None
+            writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        self.writer = writer
+
+    def log(self, record: dict) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class Progress:
     """Progress on rank 0 through ``tqdm``: steps, smoothed step rate and ETA, loss, the last
     validation loss, learning rate and smoothed tokens/s. On a terminal one bar rewritten in
