@@ -17,12 +17,13 @@ from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.layer import MoELayer
 from lrmoe.selection import fixed_ratio_quota
 from lrmoe.sim.budget import GIB
+from lrmoe.sim.config import SimConfig, routing_counts
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.host import PlanningReference
 from lrmoe.sim.memory import RankWork, expert_side_peak
 from lrmoe.sim.plan import SystemPlanner
 from lrmoe.sim.report import table_md
-from lrmoe.sim.run import Projection, SimConfig, routing_counts, simulate
+from lrmoe.sim.run import Projection, simulate
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import rescale_counts, split_sources, zipf_counts
 from lrmoe.sim.whatif import what_if, what_if_reference

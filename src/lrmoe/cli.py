@@ -134,9 +134,10 @@ def _floats(flag: str, text: str) -> tuple[float, ...]:
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     """Paper-scale projection (docs/simulation.md); bad input exits 2 with one line."""
+    from lrmoe.sim.config import SimConfig
     from lrmoe.sim.errors import SimError
     from lrmoe.sim.models import MODELS
-    from lrmoe.sim.run import SimConfig, project
+    from lrmoe.sim.run import project
 
     models = sorted(MODELS) if args.model == "all" else [args.model]
     try:

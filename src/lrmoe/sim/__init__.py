@@ -1,6 +1,6 @@
 """Paper-scale projection of MoE-layer training time to target and memory (docs/simulation.md).
 
-One idea per module, data flowing one way: ``models`` (real shapes) → ``trace`` (routing
+One idea per module, data flowing one way: ``config`` (the inputs) and ``models`` (real shapes) → ``trace`` (routing
 counts) → ``plan`` (the library's placement, quotas, keep modes and redistribution; ``host``:
 host planning from the benchmark's recorded figures) → ``memory`` / ``budget`` (expert-side and
 whole-step bytes) → ``hardware`` / ``cost`` (α–β all-to-all, roofline GEMMs) → ``target``
