@@ -10,9 +10,14 @@ capacity of ``--cap`` x the mean pairs per rank (tokens x top-k) for the backwar
 Planners, as the layer calls them (``lrmoe.plan``):
 
 - ``max_min_quotas``: lrmoe's backward quotas (global counts, holders, the capacity);
-- ``assign_min_peak``: the forward assignment of every pair to the holders, no capacity;
+- ``assign_min_peak``: the forward assignment of every pair to the holders, no capacity
+  (``balance.min_peak_assignment`` on the placement's holder index, as the layer calls it);
 - ``assign_min_peak_cap``: the backward assignment of the kept pairs (the quotas split over
   source ranks by largest remainder) under the capacity;
+- ``assign_min_peak_dense``: ``balance.assign_min_peak``, the public dense form: the same
+  assignment from plain holder lists, returned as an (E, S, R) tensor;
+- ``holder_index``: a placement's holder index, built once per new placement and shared by
+  every planner call on it (lrmoe's and symi's placements change once a step);
 - ``plan_replicas``: replicas from the call's load, the layer's default slots (owned + half);
 - ``localize``: topoep's re-matching of the forward assignment, 8 ranks per node;
 - ``shadow_experts``: fastermoe's per-call decision (Qwen3-30B-A3B's D, F, bf16);
@@ -36,14 +41,14 @@ import numpy as np
 import torch
 from common import print_table, write_json
 
-from lrmoe.balance import assign_min_peak
+from lrmoe.balance import HolderIndex, assign_min_peak, min_peak_assignment
 from lrmoe.controller import max_min_quotas
 from lrmoe.placement import Placement, plan_replicas
 from lrmoe.planners import CostModel, flexmoe_replan, laer_layout, localize, shadow_experts
 from lrmoe.selection import largest_remainder
 
-PLANNERS = ["max_min_quotas", "assign_min_peak", "assign_min_peak_cap", "plan_replicas", "localize",
-            "shadow_experts", "laer_layout", "flexmoe_replan"]
+PLANNERS = ["max_min_quotas", "assign_min_peak", "assign_min_peak_cap", "assign_min_peak_dense", "holder_index",
+            "plan_replicas", "localize", "shadow_experts", "laer_layout", "flexmoe_replan"]
 COST = CostModel(dim=2048, ffn_dim=768, elem_bytes=2)  # Qwen3-30B-A3B's routed experts, bf16
 FLEXMOE_HORIZON = 10
 
@@ -71,7 +76,7 @@ def instance(E: int, W: int, seed: int, args: argparse.Namespace) -> dict:
     return dict(
         counts_SE=counts_SE, counts_E=counts_E, holders=holders, cap_R=cap_R, base=base, placement=placement,
         kept_ES=largest_remainder(quota_E, counts_SE).t().contiguous(),
-        assign_ESR=assign_min_peak(counts_SE.t(), holders),
+        assignment=min_peak_assignment(counts_SE.t(), placement.holder_index),
         slots_R=[o + max(1, math.ceil(o / 2)) for o in owned],
         node_of=[r // per_node for r in range(W)],
     )
@@ -81,10 +86,13 @@ def calls(inst: dict) -> dict:
     """Planner name → a call on this instance."""
     return {
         "max_min_quotas": lambda: max_min_quotas(inst["counts_E"], inst["holders"], inst["cap_R"]),
-        "assign_min_peak": lambda: assign_min_peak(inst["counts_SE"].t(), inst["holders"]),
-        "assign_min_peak_cap": lambda: assign_min_peak(inst["kept_ES"], inst["holders"], inst["cap_R"]),
+        "assign_min_peak": lambda: min_peak_assignment(inst["counts_SE"].t(), inst["placement"].holder_index),
+        "assign_min_peak_cap": lambda: min_peak_assignment(inst["kept_ES"], inst["placement"].holder_index,
+                                                           inst["cap_R"]),
+        "assign_min_peak_dense": lambda: assign_min_peak(inst["counts_SE"].t(), inst["holders"]),
+        "holder_index": lambda: HolderIndex.build(inst["holders"], inst["placement"].world),
         "plan_replicas": lambda: plan_replicas(inst["base"], inst["counts_E"].to(torch.float64), inst["slots_R"]),
-        "localize": lambda: localize(inst["assign_ESR"], inst["node_of"]),
+        "localize": lambda: localize(inst["assignment"], inst["node_of"]),
         "shadow_experts": lambda: shadow_experts(inst["counts_SE"], inst["base"], COST),
         "laer_layout": lambda: laer_layout(inst["counts_E"], inst["base"], inst["slots_R"]),
         "flexmoe_replan": lambda: flexmoe_replan(inst["placement"], inst["counts_E"].to(torch.float64),

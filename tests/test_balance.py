@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.balance import assign_min_peak
+from lrmoe.assignment import PairAssignment
+from lrmoe.balance import assign_min_peak, min_peak_assignment
 
 
 def optimal_peak(counts, holders, capacity=None, base=None):
@@ -138,3 +139,30 @@ def test_deterministic_and_errors():
         assign_min_peak(counts, holders, capacity_R=[2, 2, 2])
     with pytest.raises(ValueError, match="holders has"):
         assign_min_peak(counts, holders[:2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.randoms(use_true_random=False))
+def test_pair_assignment_views_match_the_dense_form(R, E, rnd):
+    """Every view the row plans and the fitting read off the compact form equals the same view of
+    the dense (E, S, R) tensor, for the min-peak planner's result (an entry per holder, some with
+    no rows) and for an arbitrary dense assignment read back."""
+    counts = torch.tensor([[rnd.randrange(0, 9) for _ in range(R)] for _ in range(E)])
+    holders = [sorted(rnd.sample(range(R), rnd.randint(1, R))) for _ in range(E)]
+    compact = min_peak_assignment(counts, holders)
+    assert [(int(e), int(r)) for e, r in zip(compact.expert_H, compact.rank_H)] == [
+        (e, r) for e, hs in enumerate(holders) for r in hs]
+    arbitrary = torch.tensor([[[rnd.randrange(0, 3) * (rnd.random() < 0.3) for _ in range(R)] for _ in range(R)]
+                              for _ in range(E)])
+    for pairs in (compact, PairAssignment.from_dense(arbitrary)):
+        dense = pairs.dense()
+        assert torch.equal(PairAssignment.from_dense(dense).dense(), dense)
+        assert torch.equal(pairs.rows_ER(), dense.sum(1))
+        assert pairs.rows_R() == dense.sum((0, 1)).tolist()
+        assert torch.equal(pairs.rows_SR(), dense.sum(0))
+        for s in range(R):
+            assert torch.equal(pairs.sent_ER(s), dense[:, s, :])
+        experts = rnd.sample(range(E), rnd.randint(0, E))
+        for r in range(R):
+            assert torch.equal(pairs.received_SL(r, experts), dense[experts, :, r].t().reshape(R, len(experts)))
+    assert torch.equal(compact.dense(), assign_min_peak(counts, holders))

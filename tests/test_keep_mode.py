@@ -131,7 +131,7 @@ def test_local_sampled_keep_x_sends_less_than_static(pool):
 
 def _predicted(planner: LayerPlanner, plan, mode: str) -> list[int]:
     """Every rank's predicted peak in ``mode``: kept pairs where the forward computed them."""
-    rows_ER = plan.assign_ESR.sum(1)
+    rows_ER = plan.assignment.rows_ER()
     bwd_R = torch.minimum(rows_ER, plan.quota_E.view(-1, 1)).sum(0).tolist()
     fwd_R = rows_ER.sum(0).tolist()
     pl, cfg = plan.placement, planner.config
@@ -160,7 +160,7 @@ def test_the_choice_is_the_richest_that_fits():
         seen.add(plan.keep)
         richer = KEEP_MODES[:KEEP_MODES.index(plan.keep)]
         for mode in richer:  # every richer mode is over the cap on some rank (or needs acts of a chunked forward)
-            chunked = any(c < n for c, n in zip(plan.chunk_rows_R, plan.assign_ESR.sum((0, 1)).tolist()))
+            chunked = any(c < n for c, n in zip(plan.chunk_rows_R, plan.assignment.rows_R()))
             assert (mode == KEEP_X_ACTS and chunked) or max(_predicted(planner, plan, mode)) > cap, (cap, mode)
         if plan.keep != KEEP_NOTHING:
             assert max(_predicted(planner, plan, plan.keep)) <= cap

@@ -143,7 +143,7 @@ def _counts_SE(world: int) -> torch.Tensor:
 
 def _static_peak(world: int, counts_SE: torch.Tensor) -> int:
     cfg = MoEConfig(**CFG)
-    rows = LayerPlanner(spec_of("static"), cfg, world).plan_call(counts_SE).assign_ESR.sum((0, 1))
+    rows = LayerPlanner(spec_of("static"), cfg, world).plan_call(counts_SE).assignment.rows_R()
     owned = cfg.num_experts // world
     return max(expert_side_peak("static", cfg.dim, cfg.ffn_dim, 4, RankWork(int(n), int(n), owned, owned, None, world))
                for n in rows)

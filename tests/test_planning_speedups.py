@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lrmoe.balance import assign_min_peak
+from lrmoe.assignment import PairAssignment
+from lrmoe.balance import assign_min_peak, min_peak_assignment
 from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
 from lrmoe.planners import CostModel, laer_layout, localize, shadow_experts
 from lrmoe.quotas import _largest_ratio, max_min_quotas
@@ -596,6 +597,11 @@ def test_assign_min_peak_matches_reference_at_paper_scale():
         counts_SE, _, placement = paper_scale(seed)
         holders = placement.holder_lists
         assign = same_outcome(ref_assign_min_peak, assign_min_peak, counts_SE.t(), holders)
+        # the layer's call: the placement's own index, one entry per (expert, holder)
+        compact = min_peak_assignment(counts_SE.t(), placement.holder_index)
+        assert torch.equal(compact.dense(), assign)
+        assert [(int(e), int(r)) for e, r in zip(compact.expert_H, compact.rank_H)] == [
+            (e, r) for e, hs in enumerate(holders) for r in hs]
         cap = [int(assign.sum((0, 1)).max()) * 9 // 10] * counts_SE.shape[0]  # below the peak: infeasible
         same_outcome(ref_assign_min_peak, assign_min_peak, counts_SE.t(), holders, cap)
         kept = counts_SE.t() // 2
@@ -713,8 +719,13 @@ def test_localize_matches_reference():
         node_of = rng.integers(0, 3, R).tolist()  # nodes need not be contiguous blocks
         if case % 2:
             node_of = sorted(node_of)
-        same_outcome(ref_localize, localize, assign, node_of)
+        same_outcome(ref_localize, dense_localize, assign, node_of)
     counts_SE, _, placement = paper_scale(1)
     assign = assign_min_peak(counts_SE.t(), placement.holder_lists)
     for per_node in (1, 8, 64):
-        same_outcome(ref_localize, localize, assign, [r // per_node for r in range(64)])
+        same_outcome(ref_localize, dense_localize, assign, [r // per_node for r in range(64)])
+
+
+def dense_localize(assign_ESR: torch.Tensor, node_of: list[int]) -> torch.Tensor:
+    """:func:`localize` on the compact form, compared in the reference's dense form."""
+    return localize(PairAssignment.from_dense(assign_ESR), node_of).dense()

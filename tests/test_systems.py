@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
+from lrmoe.assignment import PairAssignment
 from lrmoe.balance import assign_min_peak
 from lrmoe.placement import Placement, plan_replicas
 from lrmoe.planners import (
@@ -190,7 +191,7 @@ def peak_rows(assign_ESR: torch.Tensor) -> int:
 
 
 def static_peak(counts_SE: torch.Tensor) -> int:
-    return peak_rows(BASE.owner_assignment(counts_SE))
+    return peak_rows(BASE.owner_assignment(counts_SE).dense())
 
 
 def test_fastermoe_shadows_hot_experts_below_static_peak():
@@ -199,7 +200,7 @@ def test_fastermoe_shadows_hot_experts_below_static_peak():
     shadow = shadow_experts(counts_SE, BASE, cost)
     assert 0 in shadow
     placement = BASE.with_replicas([[e for e in shadow if int(BASE.owner_E[e]) != r] for r in range(W)])
-    assign = local_assignment(counts_SE, placement)
+    assign = local_assignment(counts_SE, placement).dense()
     assert torch.equal(assign.sum(2), counts_SE.t())
     assert peak_rows(assign) < static_peak(counts_SE)
     cheap_compute = CostModel(dim=64, ffn_dim=64, elem_bytes=4, gemm_flops=1e18, link_gbps=1e-3)
@@ -263,7 +264,7 @@ def test_topoep_same_peak_fewer_cross_node_rows():
     nodes_of_hot = {node_of[r] for r in plan.holders(0)}
     assert nodes_of_hot == {0, 1}, "the hot expert gets a copy in both nodes"
     plain = assign_min_peak(counts_SE.t(), plan.holder_lists)
-    local = localize(plain, node_of)
+    local = localize(PairAssignment.from_dense(plain), node_of).dense()
     assert torch.equal(local.sum(1), plain.sum(1)) and torch.equal(local.sum(2), plain.sum(2))
     on_source = torch.minimum(plain.sum(2), plain.sum(1))  # most rows each rank can keep itself
     assert torch.equal(torch.diagonal(local, dim1=1, dim2=2), on_source)
@@ -279,7 +280,7 @@ def test_topoep_same_peak_fewer_cross_node_rows():
         return int((a * cross).sum())
 
     assert cross_rows(local) <= cross_rows(plain)
-    assert peak_rows(local) < peak_rows(base.owner_assignment(counts_SE))
+    assert peak_rows(local) < peak_rows(base.owner_assignment(counts_SE).dense())
 
 
 def test_localize_undoes_a_cross_node_matching():
@@ -287,7 +288,7 @@ def test_localize_undoes_a_cross_node_matching():
     assign = torch.zeros(1, 4, 4, dtype=torch.long)
     assign[0, 0, 2] = assign[0, 3, 1] = 10
     assign[0, 1, 1] = 5  # rank 1's own rows stay
-    local = localize(assign, [0, 0, 1, 1])
+    local = localize(PairAssignment.from_dense(assign), [0, 0, 1, 1]).dense()
     want = torch.zeros_like(assign)
     want[0, 0, 1] = want[0, 3, 2] = 10
     want[0, 1, 1] = 5

@@ -7,7 +7,8 @@ docs/design.md. Package layout, data flowing one way:
     systems.py   one SystemSpec per system name, and the name parser
     router.py    softmax top-k (Qwen3) · sigmoid + correction bias (GLM-4.5)
     plan.py      LayerPlanner: placement and one CallPlan per call (controller.py, planners.py,
-                 placement.py, balance.py are its pure, deterministic parts)
+                 placement.py, balance.py, quotas.py are its pure, deterministic parts;
+                 assignment.py the form of its result: where each pair is computed)
     dispatch.py  row plans and the exchanges that move rows (comm.py counts the bytes)
     experts.py   grouped SwiGLU experts and the one grouped-GEMM seam
     selection.py LRM scores and the kept sets of the backward
@@ -23,6 +24,7 @@ Shape suffixes on tensor names (``x_TD``, ``counts_SE``, ``assign_ESR``):
     P pairs at this rank (T·K, row-major)    L local expert slots (owned, then replicas)
     S source ranks (where pairs come from)   R receiving ranks, or rows received at a rank
     W ranks of the expert-parallel group     N rows this rank sends (in plan order)
+    H (expert, holder) entries of an assignment (``PairAssignment.rows_HS``)
 """
 
 from lrmoe.balance import assign_min_peak

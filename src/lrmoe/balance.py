@@ -16,16 +16,21 @@ their holders N(A) receive rows from A only, so any assignment needs
 bound and the flow resumes from where it was (capacities only grow). Every P tried is a lower
 bound of the optimum, so the first P with a complete flow is optimal. Integral capacities give
 integral flows. Everything is deterministic (lowest index first), so every rank computes the
-same assignment.
+same assignment. The result is a :class:`~lrmoe.assignment.PairAssignment` (rows per
+(expert, holder) and source); :func:`assign_min_peak` gives it as a dense (E, S, R) tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
 import torch
+
+from lrmoe.assignment import PairAssignment
 
 
 def _level_for(need: int, base: list[int], cap: list[int]) -> int | None:
@@ -76,12 +81,44 @@ def holder_lists_of(holders: Sequence[Sequence[int]]) -> list[list[int]]:
     return [sorted({int(r) for r in hs}) for hs in holders]
 
 
-def holder_arrays(holders: Sequence[Sequence[int]]) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
-    """:func:`holder_lists_of`, and all of them end to end with the expert of each entry."""
-    lists = holder_lists_of(holders)
-    sizes = [len(hs) for hs in lists]
-    flat = np.fromiter(chain.from_iterable(lists), np.int64, sum(sizes))
-    return lists, flat, np.repeat(np.arange(len(sizes)), sizes)
+@dataclass(frozen=True, eq=False)
+class HolderIndex:
+    """Each expert's holders in the forms the planners walk: per expert and per rank as lists,
+    and as (expert, holder) entries end to end (experts ascending, then ranks). A
+    :class:`~lrmoe.placement.Placement` builds its own once (``placement.holder_index``), so a
+    layer call that plans several times over one placement indexes it once."""
+
+    lists: list[list[int]]  # expert → its holders, ascending
+    of_rank: list[list[int]]  # rank → experts it holds, ascending
+    expert_H: np.ndarray  # int64 (H,): the expert of entry h
+    rank_H: np.ndarray  # int64 (H,): the holder of entry h
+    world: int
+
+    @staticmethod
+    def build(holders: Sequence[Sequence[int]], world: int) -> HolderIndex:
+        lists = holder_lists_of(holders)
+        sizes = [len(hs) for hs in lists]
+        rank_H = np.fromiter(chain.from_iterable(lists), np.int64, sum(sizes))
+        expert_H = np.repeat(np.arange(len(sizes)), sizes)
+        in_range = not len(rank_H) or (rank_H.min() >= 0 and rank_H.max() < world)
+        of_rank = experts_of_ranks(lists, world) if in_range else []  # out of range: the planner says so
+        return HolderIndex(lists, of_rank, expert_H, rank_H, world)
+
+    @cached_property
+    def sizes_E(self) -> np.ndarray:
+        return np.bincount(self.expert_H, minlength=len(self.lists))
+
+    @cached_property
+    def starts_E(self) -> np.ndarray:
+        """Each expert's first entry (of its holders end to end)."""
+        return np.cumsum(self.sizes_E) - self.sizes_E
+
+
+def holder_index(holders: Sequence[Sequence[int]] | HolderIndex, world: int) -> HolderIndex:
+    """``holders`` indexed for ``world`` ranks (itself when it already is)."""
+    if isinstance(holders, HolderIndex) and holders.world == world:
+        return holders
+    return HolderIndex.build(holders.lists if isinstance(holders, HolderIndex) else holders, world)
 
 
 def max_flow(flow, supply, slack, holders, holders_of_rank, sources=None):
@@ -218,7 +255,7 @@ def max_flow(flow, supply, slack, holders, holders_of_rank, sources=None):
 
 def assign_min_peak(
     counts_ES: torch.Tensor,
-    holders: Sequence[Sequence[int]],
+    holders: Sequence[Sequence[int]] | HolderIndex,
     capacity_R: torch.Tensor | Sequence[int] | None = None,
     base_R: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
@@ -230,28 +267,43 @@ def assign_min_peak(
     on holders; among optimal assignments rows stay on their source rank where the initial
     local placement fits (so when keeping every row local is optimal, every row stays local).
     Raises ``ValueError`` when the capacities cannot hold the pairs.
+
+    The dense form of :func:`min_peak_assignment`, which the layer calls.
     """
+    return min_peak_assignment(counts_ES, holders, capacity_R, base_R).dense()
+
+
+def min_peak_assignment(
+    counts_ES: torch.Tensor,
+    holders: Sequence[Sequence[int]] | HolderIndex,
+    capacity_R: torch.Tensor | Sequence[int] | None = None,
+    base_R: torch.Tensor | Sequence[int] | None = None,
+) -> PairAssignment:
+    """:func:`assign_min_peak` as a :class:`~lrmoe.assignment.PairAssignment`: one entry for
+    every (expert, holder), holders ascending."""
     if isinstance(counts_ES, torch.Tensor) and counts_ES.dtype == torch.int64:
         counts = counts_ES.numpy()  # a view, perhaps transposed: copied once, in the split
     else:
         counts = np.asarray(counts_ES, dtype=np.int64)
     E, S = counts.shape
     R = S
-    if len(holders) != E:
-        raise ValueError(f"holders has {len(holders)} entries, counts_ES has {E} experts")
+    n_holders = len(holders.lists if isinstance(holders, HolderIndex) else holders)
+    if n_holders != E:
+        raise ValueError(f"holders has {n_holders} entries, counts_ES has {E} experts")
     if counts.size and counts.min() < 0:
         raise ValueError("counts_ES must be non-negative")
+    index = holder_index(holders, R)
     base = np.zeros(R, np.int64) if base_R is None else np.asarray(base_R, dtype=np.int64).copy()
     big = 1 << 40  # "no capacity": far above any row count, and sums of it cannot overflow
     cap = np.full(R, big, np.int64) if capacity_R is None else np.asarray(capacity_R, dtype=np.int64).copy()
     n_E = counts.sum(1)
-    holder_lists, flat, rows = holder_arrays(holders)
-    sizes = np.bincount(rows, minlength=E)
+    holder_lists, flat, rows = index.lists, index.rank_H, index.expert_H
+    sizes, starts = index.sizes_E, index.starts_E
     if (len(flat) and (flat.min() < 0 or flat.max() >= R)) or n_E[sizes == 0].any():
         for e, hs in enumerate(holder_lists):  # the first expert at fault, in expert order
             if not hs and n_E[e] > 0:
                 raise ValueError(f"expert {e} has {int(n_E[e])} pairs but no holder")
-            for r in holders[e]:
+            for r in hs:
                 if not 0 <= r < R:
                     raise ValueError(f"holder {r} of expert {e} is not a rank in [0, {R})")
     if (base_R is not None or capacity_R is not None) and (base > cap).any():
@@ -261,7 +313,6 @@ def assign_min_peak(
 
     # A lower bound to start from: no rank below its base, and some holder of each expert takes
     # at least n_e / |H_e| rows on top of the smallest base among its holders.
-    starts = np.cumsum(sizes) - sizes
     used = n_E > 0
     P = int(base.max()) if R else 0
     has = sizes > 0  # every used expert
@@ -285,7 +336,7 @@ def assign_min_peak(
             need = n_E[multi] + np.add.reduceat(only[flat], starts[has])[multi[has]]
             P = max(P, int((min_base[multi] + -(-need // sizes[multi])).max()))
 
-    holders_of_rank = experts_of_ranks(holder_lists, R)
+    holders_of_rank = index.of_rank
     own = counts[rows, flat]  # rows of each expert from its holder's own rank (S == R)
     local_D = np.zeros((E, R), np.int64)
     local_D[rows, flat] = own
@@ -333,37 +384,34 @@ def assign_min_peak(
         raise AssertionError("unreachable: the capacity is infeasible from any start")
     if best > P:  # the local start was cut at a too-low peak: start again from it at the optimum
         best, flow = solve(best)
-    flow_l = np.fromiter((flow[e][r] for e, r in zip(rows_l, flat_l)), np.int64, len(flat))
-    return torch.from_numpy(_split_by_source(counts, flow_l, rows, flat))
+    flow_H = np.array([flow[e][r] for e, r in zip(rows_l, flat_l)], np.int64)
+    return PairAssignment(rows, flat, _split_by_source(counts, flow_H, index), E)
 
 
-def _split_by_source(counts: np.ndarray, flow_l: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """Turn per-(expert, holder) row totals (``flow_l[j]`` rows of expert ``rows[j]`` on rank
-    ``cols[j]``, holders ascending per expert) into per-(expert, source, rank) counts: each
-    source keeps its rows local as far as its own rank's share allows; the rest fill the
-    remaining shares in (source, holder) order (north-west corner rule, vectorised over
-    experts)."""
-    E, S = counts.shape
-    R = S
-    assign = np.zeros((E, S, R), np.int64)
+def _split_by_source(counts: np.ndarray, flow_H: np.ndarray, index: HolderIndex) -> np.ndarray:
+    """Turn per-(expert, holder) row totals (``flow_H[h]`` rows of entry h's expert on its
+    rank) into per-(entry, source) rows ``rows_HS``: each source keeps its rows local as far as
+    its own rank's share allows; the rest fill the remaining shares in (source, holder) order
+    (north-west corner rule, vectorised over experts)."""
+    rows, cols = index.expert_H, index.rank_H
+    out = np.zeros((len(rows), counts.shape[1]), np.int64)
     if not len(rows):
-        return assign
-    keep = np.minimum(counts[rows, cols], flow_l)  # S == R: source s is rank s
-    left_h = flow_l - keep
+        return out
+    keep = np.minimum(counts[rows, cols], flow_H)  # S == R: source s is rank s
+    left_h = flow_H - keep
     if left_h.any():
         left_s = counts.copy()
         left_s[rows, cols] -= keep
         cs = left_s.cumsum(1)
         cs0 = cs - left_s
+        first = index.starts_E[rows]  # each entry's expert's first entry
         ch = left_h.cumsum()
-        first = np.searchsorted(rows, rows)  # each holder's expert's first holder
         ch -= ch[first] - left_h[first]
         ch0 = ch - left_h
-        # rows of source s to holder j: overlap of [cs0_s, cs_s) and [ch0_j, ch_j) of j's expert
-        moved = np.minimum(cs[rows], ch[:, None])
-        moved -= np.maximum(cs0[rows], ch0[:, None])
-        np.maximum(moved, 0, out=moved)
-        assign[rows, :, cols] = moved  # (rows[j], cols[j]) are distinct
+        # rows of source s to entry h: overlap of [cs0_s, cs_s) and [ch0_h, ch_h) of h's expert
+        np.minimum(cs[rows], ch[:, None], out=out)
+        out -= np.maximum(cs0[rows], ch0[:, None])
+        np.maximum(out, 0, out=out)
     # a source never sends rows to itself above (its own share or its own rows are used up)
-    assign[rows, cols, cols] = keep
-    return assign
+    out[np.arange(len(rows)), cols] = keep
+    return out

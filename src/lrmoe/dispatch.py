@@ -3,10 +3,11 @@ rank, how received rows are regrouped by expert, and the exchanges that carry th
 back. Parameter-free; the plans are deterministic. This is the compaction room: a backward plan
 over the kept pairs only makes every message and every GEMM smaller.
 
-A plan is derived from ``assign_ESR`` (pairs of expert e from source rank s computed at rank
-r), which every rank knows identically after the count exchange, so split sizes never need a
-second exchange. The forward plan covers every pair; a backward plan may cover only a kept
-subset (compaction) and may send pairs to other replicas than the forward did.
+A plan is derived from a :class:`~lrmoe.assignment.PairAssignment` (pairs of expert e from
+source rank s computed at rank r), which every rank knows identically after the count exchange,
+so split sizes never need a second exchange. The forward plan covers every pair; a backward
+plan may cover only a kept subset (compaction) and may send pairs to other replicas than the
+forward did.
 
 Send order at a source: by destination rank, then by the destination's slot order, then by
 pair index. Receive order at a destination: by source rank, then slot, then pair index;
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe import comm
+from lrmoe.assignment import PairAssignment
 from lrmoe.comm import Group, WireCounter
 from lrmoe.meter import MemoryMeter
 from lrmoe.placement import Placement
@@ -41,25 +43,25 @@ class RowPlan:
 
 def build_row_plan(
     ids_P: torch.Tensor,
-    assign_ESR: torch.Tensor,
+    assignment: PairAssignment,
     placement: Placement,
     rank: int,
     keep_P: torch.Tensor | None = None,
 ) -> RowPlan:
     """Plan the exchange of this rank's pairs (``ids_P`` their expert ids, flattened (T·K)).
 
-    ``keep_P`` (bool) restricts the plan to a subset of pairs; ``assign_ESR`` must then count
+    ``keep_P`` (bool) restricts the plan to a subset of pairs; ``assignment`` must then count
     exactly the kept pairs. Pairs of expert e from this rank are handed to e's holders in pair
     order: the first ``assign_ESR[e, rank, r0]`` to the first holder r0, and so on.
     """
-    E, S, W = assign_ESR.shape
+    E = assignment.num_experts
     device = ids_P.device
     pairs = torch.arange(ids_P.numel(), device=device) if keep_P is None else keep_P.nonzero().squeeze(1)
     experts = ids_P[pairs]
     by_expert = torch.argsort(experts, stable=True)
     pairs, experts = pairs[by_expert], experts[by_expert]
 
-    mine_ER = assign_ESR[:, rank, :]
+    mine_ER = assignment.sent_ER(rank)
     if placement.expert_ordered:
         pair_idx = pairs  # sorted by expert = by (destination, slot)
     else:
@@ -72,8 +74,7 @@ def build_row_plan(
         pair_idx = pairs[torch.argsort(dest * E + slot_WE[dest, experts], stable=True)]
 
     send_splits = mine_ER.sum(0).tolist()
-    local = torch.tensor(placement.slots[rank], dtype=torch.long)
-    counts_SL = assign_ESR[local, :, rank].t()  # rows from source s for local slot l
+    counts_SL = assignment.received_SL(rank, placement.slots[rank])  # rows from source s for local slot l
     recv_splits = counts_SL.sum(1).tolist()
     return RowPlan(pair_idx, send_splits, recv_splits, _regroup(counts_SL), counts_SL.sum(0), counts_SL)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lrmoe import planners
+from lrmoe.assignment import PairAssignment
 from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.meter import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.placement import Placement
@@ -25,7 +26,7 @@ class _Fit:
     """One candidate plan of a call under a memory cap, with every rank's predicted peak."""
 
     placement: Placement
-    assign_ESR: torch.Tensor
+    assignment: PairAssignment
     chunk_rows_R: list[int]
     peak_R: list[int]
     ok: bool  # every rank within its cap
@@ -52,7 +53,7 @@ class CapFitting:
         """The forward may be chunked: the system keeps no activations to the backward."""
         return not self.spec.saves_activations
 
-    def keep_mode(self, placement: Placement, assign_ESR: torch.Tensor, chunk_rows_R: list[int] | None,
+    def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
                   quota_E: torch.Tensor) -> str:
         """What a compacting backward's expert side keeps from forward to backward, identical on
         every rank (decided from the plan alone): without a cap the fastest, x and activations
@@ -62,7 +63,7 @@ class CapFitting:
         Σ_e min(its forward rows of e, q_e); x and activations need an unchunked forward."""
         if self.memory_R is None:
             return KEEP_X_ACTS
-        rows_ER = assign_ESR.sum(1)
+        rows_ER = assignment.rows_ER()
         fwd_R = rows_ER.sum(0).tolist()
         bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).tolist()
         chunk_R = chunk_rows_R or [None] * self.world
@@ -112,11 +113,11 @@ class CapFitting:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def _measure(self, placement: Placement, assign_ESR: torch.Tensor, training: bool) -> _Fit:
-        recv_R = assign_ESR.sum((0, 1)).tolist()
+    def _measure(self, placement: Placement, assignment: PairAssignment, training: bool) -> _Fit:
+        recv_R = assignment.rows_R()
         chunk_R, peak_R = zip(*(self._rank_fit(placement, r, int(n), training) for r, n in enumerate(recv_R)))
         ok = all(p <= m for p, m in zip(peak_R, self.memory_R))
-        return _Fit(placement, assign_ESR, list(chunk_R), list(peak_R), ok)
+        return _Fit(placement, assignment, list(chunk_R), list(peak_R), ok)
 
     def _fit(self, forward_SE: torch.Tensor, placement: Placement, training: bool) -> _Fit:
         """The call under ``placement``: the system's own assignment, or, where that does not
@@ -203,7 +204,7 @@ class CapFitting:
         M = self.memory_R
         best = min(failed, key=lambda f: max(p - m for p, m in zip(f.peak_R, M)))
         r = max(range(self.world), key=lambda r: (best.peak_R[r] - M[r], -r))
-        rows = int(best.assign_ESR.sum((0, 1))[r])
+        rows = best.assignment.rows_R()[r]
         kept = ("x and activations of every row kept to the backward" if self.spec.saves_activations
                 else "x of every row kept to the backward")
         helps = "a larger cap or fewer tokens per call would help"
@@ -227,18 +228,18 @@ class CapFitting:
                 raise MemoryBudgetExceeded(r, need, self.memory_R[r], "a larger cap or more ranks would help",
                                            "the experts it owns (parameters and gradients)")
 
-    def _controller_forward(self, forward_SE: torch.Tensor, placement: Placement, assign_ESR: torch.Tensor
-                            ) -> tuple[torch.Tensor, list[int]]:
+    def _controller_forward(self, forward_SE: torch.Tensor, placement: Placement, assignment: PairAssignment
+                            ) -> tuple[PairAssignment, list[int]]:
         """lrmoe's forward within its budget: the controller's chunks, on a min-peak assignment
         within each rank's forward room where the unbounded one leaves a rank no room to compute.
         Every rank checks every rank, so all raise together."""
         c = self.controller
 
-        def chunks(a: torch.Tensor) -> list[int]:
-            return [c.forward_chunk_rows(placement, r, int(n)) for r, n in enumerate(a.sum((0, 1)).tolist())]
+        def chunks(a: PairAssignment) -> list[int]:
+            return [c.forward_chunk_rows(placement, r, n) for r, n in enumerate(a.rows_R())]
 
         try:
-            return assign_ESR, chunks(assign_ESR)
+            return assignment, chunks(assignment)
         except MemoryBudgetExceeded as err:
             if placement.owners_only:
                 raise

@@ -15,7 +15,11 @@ import heapq
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
+
+from lrmoe.assignment import PairAssignment
+from lrmoe.balance import HolderIndex
 
 
 @dataclass(frozen=True)
@@ -93,12 +97,16 @@ class Placement:
         """Every expert computed by its owner alone (no replicas)."""
         return all(hs == [int(self.owner_E[e])] or not hs for e, hs in enumerate(self.holder_lists))
 
-    def owner_assignment(self, counts_SE: torch.Tensor) -> torch.Tensor:
-        """assign_ESR for single-copy placement: every pair of expert e goes to its owner."""
-        S, E = counts_SE.shape
-        assign_ESR = torch.zeros(E, S, self.world, dtype=torch.long)
-        assign_ESR.scatter_(2, self.owner_E.view(E, 1, 1).expand(E, S, 1), counts_SE.t().unsqueeze(-1))
-        return assign_ESR
+    @cached_property
+    def holder_index(self) -> HolderIndex:
+        """:attr:`holder_lists` indexed for the planners (built once per placement)."""
+        return HolderIndex.build(self.holder_lists, self.world)
+
+    def owner_assignment(self, counts_SE: torch.Tensor) -> PairAssignment:
+        """Single-copy placement: every pair of expert e goes to its owner."""
+        E = self.num_experts
+        rows_HS = counts_SE.t().to(torch.long).numpy().copy()
+        return PairAssignment(np.arange(E), self.owner_E.numpy().astype(np.int64), rows_HS, E)
 
 
 def copies_by_load(load: list[float], copies: list[int], free_slots: int, world: int) -> list[int]:

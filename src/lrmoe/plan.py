@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lrmoe import planners
-from lrmoe.balance import assign_min_peak
+from lrmoe.assignment import PairAssignment
+from lrmoe.balance import min_peak_assignment
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.controller import Controller
 from lrmoe.errors import MemoryBudgetExceeded
@@ -71,7 +72,7 @@ class CallPlan:
     placement: Placement
     counts_SE: torch.Tensor  # int64 (W, E) routed pairs per source rank and expert
     forward_SE: torch.Tensor  # pairs the forward computes (a capacity factor drops the rest)
-    assign_ESR: torch.Tensor  # int64 (E, W, W) forward pairs of expert e from source s computed at r
+    assignment: PairAssignment  # forward pairs of expert e from source s computed at r
     chunk_rows_R: list[int] | None  # rows each rank may compute at once (None: every rank all at once)
     kept_capacity_R: list[int] | None  # backward rows each rank may keep (None: unbounded)
     quota_E: torch.Tensor | None  # selective backward: pairs each expert keeps
@@ -207,11 +208,11 @@ class LayerPlanner(CapFitting):
             slots_R = [o + min(k, x) for o, x in zip(owned_R, extra_R)]
             placement = plan_replicas(self.base, self.load_E, slots_R) if k else self.base
             try:
-                assign_ESR, _ = self._controller_forward(counts_SE, placement, self.assign(counts_SE, placement))
+                assignment, _ = self._controller_forward(counts_SE, placement, self.assign(counts_SE, placement))
                 quota_E = self.controller.quotas(counts_E, placement)
             except MemoryBudgetExceeded:
                 continue
-            rows_ER = assign_ESR.sum(1)
+            rows_ER = assignment.rows_ER()
             fwd, bwd = rows_ER.sum(0).max(), torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).max()
             replicas = placement.num_copies - self.config.num_experts
             time = (int(fwd) + 2 * int(bwd)) * row_s / 3 + replicas * 2 * self.bytes.slot_params * byte_s
@@ -304,8 +305,8 @@ class LayerPlanner(CapFitting):
         return torch.clamp(counts_SE.sum(0), max=capacity)
 
     def assign(self, counts_SE: torch.Tensor, placement: Placement,
-               capacity_R: list[int] | None = None) -> torch.Tensor:
-        """assign_ESR: single copies go to their owner; replicated experts are spread min-peak
+               capacity_R: list[int] | None = None) -> PairAssignment:
+        """Where each pair is computed: single copies go to their owner; replicated experts are spread min-peak
         (shadowed experts compute where their pairs are; node-aware systems then re-match
         sources to holders to keep pairs inside their node)."""
         rule = self.spec.assignment
@@ -313,10 +314,10 @@ class LayerPlanner(CapFitting):
             return planners.local_assignment(counts_SE, placement)
         if placement.owners_only:
             return placement.owner_assignment(counts_SE)
-        assign_ESR = assign_min_peak(counts_SE.t(), placement.holder_lists, capacity_R)
+        assignment = min_peak_assignment(counts_SE.t(), placement.holder_index, capacity_R)
         if rule is Assignment.LOCALIZED:
-            assign_ESR = planners.localize(assign_ESR, self.node_of)
-        return assign_ESR
+            assignment = planners.localize(assignment, self.node_of)
+        return assignment
 
     def plan_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor | None = None,
                   training: bool = True) -> CallPlan:
@@ -334,35 +335,35 @@ class LayerPlanner(CapFitting):
         chunk_rows_R = kept_capacity_R = quota_E = peak_R = None
         if self.capped:
             fit, stats, replanned = self._fit_call(counts_SE, forward_SE, training)
-            placement, assign_ESR, chunk_rows_R, peak_R = fit.placement, fit.assign_ESR, fit.chunk_rows_R, fit.peak_R
+            placement, assignment, chunk_rows_R, peak_R = fit.placement, fit.assignment, fit.chunk_rows_R, fit.peak_R
             fetch = fetch or replanned
         else:
             stats = self._place_call(counts_SE) if per_call else {}
             placement = self.placement
-            assign_ESR = self.assign(forward_SE, placement)
+            assignment = self.assign(forward_SE, placement)
             if self.controller is not None:
                 try:
-                    assign_ESR, chunk_rows_R = self._controller_forward(forward_SE, placement, assign_ESR)
+                    assignment, chunk_rows_R = self._controller_forward(forward_SE, placement, assignment)
                 except MemoryBudgetExceeded:
                     if not (training and self.keeps_replicas and self.fixed_slots_R is None):
                         raise
                     # re-plan the replicas by this call's rows; the new copies are fetched before any row moves
                     self._adopt(self._controller_replicas(in_call=True))
                     placement, fetch = self.placement, True
-                    assign_ESR, chunk_rows_R = self._controller_forward(forward_SE, placement,
+                    assignment, chunk_rows_R = self._controller_forward(forward_SE, placement,
                                                                         self.assign(forward_SE, placement))
         if self.spec.selective and training:
             kept_capacity_R = self.controller.kept_capacity(placement) if self.controller is not None else None
             quota_E = self.quotas(counts_SE.sum(0), placement, kept_capacity_R)
         keep = None
         if self.spec.compacts and training:
-            keep = stats["keep_mode"] = self.keep_mode(placement, assign_ESR, chunk_rows_R, quota_E)
+            keep = stats["keep_mode"] = self.keep_mode(placement, assignment, chunk_rows_R, quota_E)
         stats["replica_slots"] = len(placement.slots[self.rank])
         if self.memory_R is not None:
             stats["memory_cap_bytes"] = self.memory_R[self.rank]
         if peak_R is not None:
             stats["predicted_peak_bytes"] = peak_R[self.rank]
-        return CallPlan(placement, counts_SE, forward_SE, assign_ESR, chunk_rows_R, kept_capacity_R, quota_E,
+        return CallPlan(placement, counts_SE, forward_SE, assignment, chunk_rows_R, kept_capacity_R, quota_E,
                         fetch, stats, peak_R, keep)
 
     def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None) -> torch.Tensor:

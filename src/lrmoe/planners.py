@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lrmoe.assignment import PairAssignment
 from lrmoe.meter import expert_param_bytes
 from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
 
@@ -150,18 +151,19 @@ def _shadow_experts_by_recomputing(counts: np.ndarray, owner_E: np.ndarray, cost
     return sorted(int(e) for e in np.flatnonzero(shadow))
 
 
-def local_assignment(counts_SE: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """assign_ESR where every pair is computed on its source rank if that rank holds the
-    expert, else by the expert's owner."""
-    S, E = counts_SE.shape
-    assign_ESR = placement.owner_assignment(counts_SE)
-    held_SE = placement.slot_index >= 0  # (W = S, E)
-    src, exp = held_SE.nonzero(as_tuple=True)
-    owner = placement.owner_E[exp]
-    moved = counts_SE[src, exp]
-    assign_ESR[exp, src, owner] -= moved
-    assign_ESR[exp, src, src] += moved
-    return assign_ESR
+def local_assignment(counts_SE: torch.Tensor, placement: Placement) -> PairAssignment:
+    """Every pair computed on its source rank if that rank holds the expert, else by the
+    expert's owner."""
+    index = placement.holder_index
+    expert_H, rank_H = index.expert_H, index.rank_H
+    counts_ES = counts_SE.t().to(torch.long).numpy()
+    held_ES = np.zeros(counts_ES.shape, bool)
+    held_ES[expert_H, rank_H] = True
+    rows_HS = np.zeros((len(expert_H), counts_ES.shape[1]), np.int64)
+    at_owner = rank_H == placement.owner_E.numpy()[expert_H]
+    rows_HS[at_owner] = np.where(held_ES, 0, counts_ES)[expert_H[at_owner]]  # sources without a copy
+    rows_HS[np.arange(len(expert_H)), rank_H] = counts_ES[expert_H, rank_H]  # each copy's own source
+    return PairAssignment(expert_H, rank_H, rows_HS, placement.num_experts)
 
 
 # ------------------------------------------------------------------------------- flexmoe
@@ -281,12 +283,12 @@ def _cumsum_within(x_EN: np.ndarray, group_N: np.ndarray) -> np.ndarray:
     return out
 
 
-def _in_order(supply_ES: np.ndarray, demand_ER: np.ndarray, group: np.ndarray | None, out: np.ndarray,
-              last: bool) -> None:
+def _in_order(supply_ES: np.ndarray, demand_ER: np.ndarray, group: np.ndarray | None, out_HS: np.ndarray,
+              entry_ER: np.ndarray, last: bool) -> None:
     """Per expert and group (``None``: one group), sources fill holders in rank order (the
     north-west corner rule): laid end to end on one axis, source s and holder r exchange the
-    overlap of their intervals. Adds the exchanged pairs to ``out`` (E, S, R) and, unless
-    ``last``, takes them off supply and demand."""
+    overlap of their intervals. Adds the exchanged pairs to ``out_HS`` (entry ``entry_ER[e, r]``
+    for holder r of expert e) and, unless ``last``, takes them off supply and demand."""
     e, r = np.nonzero(demand_ER)  # the holders still owed rows: few per expert
     if not len(e):
         return
@@ -300,28 +302,32 @@ def _in_order(supply_ES: np.ndarray, demand_ER: np.ndarray, group: np.ndarray | 
     np.maximum(moved, 0, out=moved)
     if group is not None:
         moved *= group[None, :] == group[r][:, None]
-    out[e, :, r] += moved  # the (e, r) are distinct
+    out_HS[entry_ER[e, r]] += moved  # the (e, r) are distinct
     if not last:
         demand_ER[e, r] -= moved.sum(1)
         first = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])  # e ascending: each expert's first holder
         supply_ES[e[first]] -= np.add.reduceat(moved, first, axis=0)
 
 
-def localize(assign_ESR: torch.Tensor, node_of: list[int]) -> torch.Tensor:
+def localize(assign: PairAssignment, node_of: list[int]) -> PairAssignment:
     """Re-match sources to holders without changing any rank's rows of any expert (so the peak
     is unchanged): first on the source rank itself, then inside its node, then across nodes, in
     rank order. For fixed per-holder totals this minimises the pairs that cross nodes."""
-    A = assign_ESR.numpy()
-    E, S, R = A.shape
-    supply_ES, demand_ER = A.sum(2), A.sum(1)
-    out = np.zeros((E, S, R), A.dtype)
-    if not A.size:
-        return torch.from_numpy(out)
-    idx = np.arange(S)
-    own = np.minimum(supply_ES, demand_ER)  # on the source itself (S = R)
-    out[:, idx, idx] = own
-    supply_ES -= own
-    demand_ER -= own
-    _in_order(supply_ES, demand_ER, np.asarray(node_of[:S]), out, last=False)  # inside each node
-    _in_order(supply_ES, demand_ER, None, out, last=True)  # then anywhere
-    return torch.from_numpy(out)
+    E, S = assign.num_experts, assign.world
+    expert_H, rank_H, rows_HS = assign.expert_H, assign.rank_H, assign.rows_HS
+    out_HS = np.zeros_like(rows_HS)
+    if not len(expert_H):
+        return assign
+    supply_ES = np.zeros((E, S), np.int64)
+    np.add.at(supply_ES, expert_H, rows_HS)
+    demand_ER = np.zeros((E, S), np.int64)
+    demand_ER[expert_H, rank_H] = assign.rows_H
+    entry_ER = np.full((E, S), -1, np.int64)
+    entry_ER[expert_H, rank_H] = np.arange(len(expert_H))
+    own = np.minimum(supply_ES[expert_H, rank_H], demand_ER[expert_H, rank_H])  # on the source itself (S = R)
+    out_HS[np.arange(len(expert_H)), rank_H] = own
+    supply_ES[expert_H, rank_H] -= own
+    demand_ER[expert_H, rank_H] -= own
+    _in_order(supply_ES, demand_ER, np.asarray(node_of[:S]), out_HS, entry_ER, last=False)  # inside each node
+    _in_order(supply_ES, demand_ER, None, out_HS, entry_ER, last=True)  # then anywhere
+    return PairAssignment(expert_H, rank_H, out_HS, E)

@@ -130,7 +130,7 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
     moved = 0
     if call.plan.fetch:  # this call's copies, fetched from their owners (collective)
         moved += ctx.replicas.refresh(gate_up.detach(), down.detach(), call.plan.placement, ctx.rank, ctx.group)
-    rows = call.rows = build_row_plan(call.ids_TK.reshape(-1), call.plan.assign_ESR, call.plan.placement, ctx.rank,
+    rows = call.rows = build_row_plan(call.ids_TK.reshape(-1), call.plan.assignment, call.plan.placement, ctx.rank,
                                       keep_P=call.forward_keep_P)
     chunk = rows.recv_rows if call.plan.chunk_rows_R is None else call.plan.chunk_rows_R[ctx.rank]
 
@@ -272,8 +272,8 @@ def routed_backward(
             rows, kept_rows = restrict_to_kept(rows, sel.keep_P, ctx.group, wire)
             _gather_kept(saved, kept_rows, meter)
         elif spec.compacts:
-            assign_ESR = ctx.planner.assign(sel.kept_SE, plan.placement, plan.kept_capacity_R)
-            rows = build_row_plan(ids_P, assign_ESR, plan.placement, ctx.rank, keep_P=sel.keep_P)
+            assignment = ctx.planner.assign(sel.kept_SE, plan.placement, plan.kept_capacity_R)
+            rows = build_row_plan(ids_P, assignment, plan.placement, ctx.rank, keep_P=sel.keep_P)
         else:
             factor_P = factor_P * sel.keep_P
         keep_TK, quota_E, kept_E = sel.keep_P.view(T, K), sel.quota_E, sel.kept_SE.sum(0)

@@ -28,10 +28,10 @@ from lrmoe.sim.errors import SimError
 PLANNING_REFERENCE = Path(__file__).with_name("planning_reference.json")
 
 # Where the planner looks each benchmarked function up at call time (module, attribute), and the
-# benchmark's name for it. assign_min_peak is named by whether it got capacities (the backward's
-# kept pairs under the controller's capacities, or a forward within a memory cap).
+# benchmark's name for it. The min-peak assignment is named by whether it got capacities (the
+# backward's kept pairs under the controller's capacities, or a forward within a memory cap).
 _TARGETS = (
-    ("lrmoe.plan", "assign_min_peak"),
+    ("lrmoe.plan", "min_peak_assignment"),
     ("lrmoe.plan", "plan_replicas"),
     ("lrmoe.controller", "max_min_quotas"),
     ("lrmoe.planners", "localize"),
@@ -42,7 +42,7 @@ _TARGETS = (
 
 
 def _bench_name(attr: str, args: tuple, kwargs: dict) -> str:
-    if attr == "assign_min_peak":
+    if attr == "min_peak_assignment":
         capacity = kwargs.get("capacity_R", args[2] if len(args) > 2 else None)
         return "assign_min_peak" if capacity is None else "assign_min_peak_cap"
     return attr

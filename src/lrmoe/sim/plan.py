@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from lrmoe.assignment import PairAssignment
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.meter import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.plan import LayerPlanner
@@ -131,7 +132,7 @@ class SystemPlanner:
             fwd_SE = None if fwd_quota_E is None else torch.from_numpy(split_sources(fwd_quota_E.numpy(), W))
             plan = planner.plan_call(counts_SE, fwd_SE, training=True)
         live = time.perf_counter() - t0
-        fwd_SR = plan.assign_ESR.sum(0).numpy()
+        fwd_SR = plan.assignment.rows_SR().numpy()
         recv_R = fwd_SR.sum(0)
         score_R = np.zeros(W, np.int64)
         if fwd_quota_E is not None:  # capacity: a global score exchange in the forward
@@ -153,10 +154,10 @@ class SystemPlanner:
                 if keep == KEEP_NOTHING:  # re-spread min-peak within the kept capacities (the layer's rows)
                     t0 = time.perf_counter()
                     with calls:
-                        bwd_SR = planner.assign(kept_SE, plan.placement, plan.kept_capacity_R).sum(0).numpy()
+                        bwd_SR = planner.assign(kept_SE, plan.placement, plan.kept_capacity_R).rows_SR().numpy()
                     live += time.perf_counter() - t0
                 else:  # computed where the forward computed them (the forward's plan restricted)
-                    bwd_SR = _restrict(plan.assign_ESR, kept_SE)
+                    bwd_SR = _restrict(plan.assignment, kept_SE)
 
         placement = plan.placement
         owned_R = np.array([len(planner.base.owned(r)) for r in range(W)])
@@ -200,14 +201,14 @@ class SystemPlanner:
         return np.zeros(counts_SE.shape[0], np.int64)
 
 
-def _restrict(assign_ESR: torch.Tensor, kept_SE: torch.Tensor) -> np.ndarray:
+def _restrict(assignment: PairAssignment, kept_SE: torch.Tensor) -> np.ndarray:
     """(W, W) backward rows when each kept pair is computed where the forward computed it: the
     kept pairs of (expert e, source s) split over the ranks that computed e's pairs from s, in
     proportion (largest remainder)."""
     W = kept_SE.shape[0]
     out = np.zeros((W, W), np.int64)
     for s in range(W):
-        rows_RE = assign_ESR[:, s, :].t()  # ranks × experts: where source s's pairs were computed
+        rows_RE = assignment.sent_ER(s).t()  # ranks × experts: where source s's pairs were computed
         out[s] = largest_remainder(kept_SE[s], rows_RE).sum(1).numpy()
     return out
 

@@ -1,0 +1,85 @@
+"""Where each token–expert pair is computed: pairs of expert e from source rank s computed at
+rank r, stored per (expert, holder) entry.
+
+The dense form ``assign_ESR`` (E, S, R) is mostly zeros: only an expert's holders compute its
+pairs. At 128 experts × 64 ranks it is 4 MiB of int64 a layer call, at 256 × 256 128 MiB, and
+allocating, zeroing and summing it cost more than planning the assignment itself. Here each
+(expert, holder) entry h carries its row of sources ``rows_HS[h]`` (the H dimension: entries of
+an assignment): with a few holders an expert, a few·E·S numbers instead of E·S·R. Every rank
+builds the same one after the count exchange; the row plans read their own rank's slices of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class PairAssignment:
+    """``rows_HS[h, s]``: pairs of expert ``expert_H[h]`` from source rank s computed at rank
+    ``rank_H[h]``. Entries are distinct (expert, rank), ordered by expert then rank; an entry may
+    carry no rows (a holder that computes none of the call's pairs)."""
+
+    expert_H: np.ndarray  # int64 (H,)
+    rank_H: np.ndarray  # int64 (H,)
+    rows_HS: np.ndarray  # int64 (H, S)
+    num_experts: int
+
+    @property
+    def world(self) -> int:
+        return self.rows_HS.shape[1]
+
+    @staticmethod
+    def from_dense(assign_ESR: torch.Tensor) -> PairAssignment:
+        """The entries of a dense (E, S, R) assignment that carry rows."""
+        A = np.asarray(assign_ESR, dtype=np.int64)
+        expert_H, rank_H = np.nonzero(A.sum(1))
+        return PairAssignment(expert_H, rank_H, np.ascontiguousarray(A[expert_H, :, rank_H]), A.shape[0])
+
+    def dense(self) -> torch.Tensor:
+        """int64 ``assign_ESR`` (E, S, R)."""
+        out = np.zeros((self.num_experts, self.world, self.world), np.int64)
+        out[self.expert_H, :, self.rank_H] = self.rows_HS
+        return torch.from_numpy(out)
+
+    @cached_property
+    def rows_H(self) -> np.ndarray:
+        """Pairs each entry computes, over every source."""
+        return self.rows_HS.sum(1)
+
+    def rows_ER(self) -> torch.Tensor:
+        """int64 (E, R): pairs of expert e computed at rank r."""
+        out = np.zeros((self.num_experts, self.world), np.int64)
+        out[self.expert_H, self.rank_H] = self.rows_H
+        return torch.from_numpy(out)
+
+    def rows_R(self) -> list[int]:
+        """Pairs each rank computes."""
+        return np.bincount(self.rank_H, self.rows_H, self.world).astype(np.int64).tolist()
+
+    def rows_SR(self) -> torch.Tensor:
+        """int64 (S, R): pairs source s sends to rank r, over every expert."""
+        out = np.zeros((self.world, self.world), np.int64)
+        np.add.at(out.T, self.rank_H, self.rows_HS)
+        return torch.from_numpy(out)
+
+    def sent_ER(self, source: int) -> torch.Tensor:
+        """int64 (E, R): pairs of expert e from ``source`` computed at rank r."""
+        out = np.zeros((self.num_experts, self.world), np.int64)
+        out[self.expert_H, self.rank_H] = self.rows_HS[:, source]
+        return torch.from_numpy(out)
+
+    def received_SL(self, rank: int, experts: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """int64 (S, len(experts)): pairs of each of ``experts`` from source s computed at
+        ``rank`` (zero for an expert the rank computes none of)."""
+        out = np.zeros((len(experts), self.world), np.int64)
+        at = np.flatnonzero(self.rank_H == rank)
+        slot = {e: i for i, e in enumerate(experts)}
+        for h, e in zip(at.tolist(), self.expert_H[at].tolist()):
+            if e in slot:
+                out[slot[e]] = self.rows_HS[h]
+        return torch.from_numpy(out.T.copy())
