@@ -138,3 +138,15 @@ def to_home(rows_RX: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounte
         back[plan.regroup_idx.to(rows_RX.device)] = rows_RX
         rows_RX = back
     return comm.all_to_all(rows_RX, plan.recv_splits, plan.send_splits, group, wire)
+
+
+def to_home_with_norms(y_RD: torch.Tensor, h_sq_R: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounter
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`to_home` of expert outputs together with each row's float64 ‖h‖² (the LRM score's
+    expert-side factor): the norms ride as extra columns of the same message, their bytes
+    reinterpreted in y's dtype (nothing rounded), so a selective forward makes one return
+    exchange, not two. Returns (y rows, ‖h‖² per row) in home order."""
+    D = y_RD.shape[1]
+    norms_RX = h_sq_R.to(y_RD.device).view(y_RD.dtype).view(y_RD.shape[0], 8 // y_RD.element_size())
+    back_NX = to_home(torch.cat([y_RD, norms_RX], 1), plan, group, wire)
+    return back_NX[:, :D], back_NX[:, D:].contiguous().view(torch.float64).view(-1)

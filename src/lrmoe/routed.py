@@ -19,7 +19,7 @@ import torch
 from lrmoe import comm, experts, sharding
 from lrmoe.comm import Group, WireCounter
 from lrmoe.config import BackwardConfig
-from lrmoe.dispatch import RowPlan, build_row_plan, restrict_to_kept, to_experts, to_home
+from lrmoe.dispatch import RowPlan, build_row_plan, restrict_to_kept, to_experts, to_home, to_home_with_norms
 from lrmoe.meter import KEEP_X, KEEP_X_ACTS, MemoryMeter, nbytes
 from lrmoe.plan import ADAM_STATES, CallPlan, LayerPlanner
 from lrmoe.replicas import Replicas
@@ -155,10 +155,12 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
         meter.hold(h_sq_R)
     h_sq_P = None
     if want_h_sq:  # ‖h‖² of every pair goes home with y, for the LRM scores
+        y_home_ND, h_sq_N = to_home_with_norms(y_RD, h_sq_R, rows, ctx.group, wire)
         h_sq_P = torch.empty(T * K, dtype=torch.float64, device=x_TD.device)
-        h_sq_P[rows.pair_idx] = to_home(h_sq_R, rows, ctx.group, wire)
+        h_sq_P[rows.pair_idx] = h_sq_N
         meter.drop(h_sq_R)
-    y_home_ND = to_home(y_RD, rows, ctx.group, wire)
+    else:
+        y_home_ND = to_home(y_RD, rows, ctx.group, wire)
     meter.drop(y_RD)
     del y_RD
 
