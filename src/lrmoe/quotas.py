@@ -10,6 +10,8 @@ leftover capacity is filled. Deterministic and identical on every rank.
 
 from __future__ import annotations
 
+from heapq import heapify, heappop, heapreplace
+
 import numpy as np
 import torch
 
@@ -26,116 +28,280 @@ def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list
     the flow is tried again. Every ρ tried bounds the answer from above, so the first feasible
     one is the round's ρ; the last blocking set is tight there and its unfrozen experts freeze.
     Every expert with pairs keeps at least one; a capacity too small for that is an error.
+    Leftover capacity is then handed out in the max-flow's path order, which depends on the
+    whole history of the flow: where any is left for a frozen expert, the reference
+    (:func:`_max_min_quotas_by_flows`) runs instead.
 
-    How it is computed: a blocking set is the source side of the minimal minimum cut, the same
-    for every maximum flow of the trial's targets, and it can only shrink when targets drop. So
-    each trial solves the max-flow only among the experts of an earlier blocking set that bounds
-    it (the previous round's first set for a round's first trial, the previous trial's set
-    within a round), from whatever flow the last trial left. Leftover capacity is then handed
-    out in the max-flow's path order, which depends on the whole history of the flow: where any
-    is left for a frozen expert, the reference (:func:`_max_min_quotas_by_flows`) runs instead.
+    How it is computed. A trial's blocking set is the source side of its minimal minimum cut —
+    the minimal X maximising the deficiency D(X) = Σ_{e∈X} target_e − cap(N(X)) — the same for
+    every maximum flow of the trial's targets. So any valid flow may be carried from trial to
+    trial, and only the blocking sets (their unfrozen experts and room: capacity less frozen
+    quotas) and, at the end, whether a frozen expert can take one more row, are read off it.
+    Four reductions, each leaving all of those as they are, keep the max-flows few and small:
+
+    1. Round 1's first max-flow leaves out every expert holding an *ample* rank, one that can
+       take every pair of its experts, and that rank (see :func:`_contested_experts`);
+    2. every later trial stays inside round 1's first blocking set, each inside an earlier
+       blocking set, on a flow moved only where targets changed (see :func:`_progressive_filling`);
+    3. a frozen set that fills its holders exactly leaves the problem (ditto);
+    4. after such a set leaves, the next round's first blocking set follows from this round's
+       without a max-flow (ditto).
+
+    The ratio itself comes from the few steps of q around the piecewise-linear solution, checked
+    against the exact sums, as 50 bisection halvings would leave it (see :func:`_largest_ratio`).
     """
     counts = counts_E.to(torch.long)
-    c = counts.numpy()
-    E, R = counts.numel(), len(cap_R)
+    c_l = counts.tolist()
+    R = len(cap_R)
     holder_lists = holder_lists_of(holders)
     cap = [int(x) for x in cap_R]
-    if (c < 0).any() or (c >= 1 << 52).any() or any(x < 0 or x != y for x, y in zip(cap, cap_R)) or any(
-            hs and (hs[0] < 0 or hs[-1] >= R) for hs in holder_lists):
+    if (c_l and (min(c_l) < 0 or max(c_l) >= 1 << 52)) or min(cap, default=0) < 0 or (
+            cap != cap_R if type(cap_R) is list else any(x != y for x, y in zip(cap, cap_R))):
         return _max_min_quotas_by_flows(counts_E, holders, cap_R)
-    holders_of_rank = experts_of_ranks(holder_lists, R)
-    c_l = c.tolist()
-    c_f = [float(x) for x in c_l]
+    experts = _contested_experts(c_l, holder_lists, cap, R)
+    if experts is None:  # a holder that is not a rank
+        return _max_min_quotas_by_flows(counts_E, holders, cap_R)
+    quota = counts.numpy().copy()
+    if experts:
+        cut = _progressive_filling(experts, c_l, cap, holder_lists)
+        if cut is None:
+            return _max_min_quotas_by_flows(counts_E, holders, cap_R)
+        for e, q in cut:
+            quota[e] = q
+    return torch.from_numpy(quota)
 
-    # One flow carried through every trial (any flow gives the same blocking sets, so it only
-    # needs to be valid): a trial moves it to its targets on its domain and augments.
-    flow = [[0] * R for _ in range(E)]  # rows of expert e on rank r (holders only)
-    placed = [0] * E
-    slack = list(cap)
 
-    def trial_cut(fl, pl, sl, target, domain):
-        """Move the flow to ``target`` on ``domain`` (every expert whose blocking status may
-        change) and return the blocking set (experts, ranks) or None."""
-        supply = [0] * E
-        for e in domain:
-            t, p = target[e], pl[e]
-            if p > t:  # hand rows back, highest rank first
-                excess, f = p - t, fl[e]
-                for r in reversed(holder_lists[e]):
-                    k = f[r]
-                    if k:
-                        d = k if k < excess else excess
-                        f[r] = k - d
-                        sl[r] += d
-                        excess -= d
-                        if not excess:
-                            break
-            elif p < t:
-                supply[e] = t - p
-        for e in domain:  # rows that fit on a holder directly go there first
-            s = supply[e]
-            if s:
-                f = fl[e]
+def _contested_experts(c_l: list[int], holder_lists: list[list[int]], cap: list[int], R: int) -> list[int] | None:
+    """The experts with pairs none of whose holders is *ample* — able to take every pair of
+    every expert still considered that holds it — ascending; None if a holder is not in [0, R)
+    (the lists are sorted: their ends tell).
+
+    Why they alone decide round 1's first blocking set (every target at c): let rank r be ample
+    and X its experts. Put X's pairs all on r and a maximum flow of the rest on the other ranks
+    (no expert of the rest holds r). No cut is smaller — the rest's minimum cut, plus X's pairs
+    on the experts' side — so this flow is maximal; and a search from an unplaced pair, which
+    starts outside X, never reaches X (X's rows lie on r alone, which no expert outside X
+    holds). The blocking set is the rest's: X and r leave, and the rest's ranks are checked again
+    without X's pairs, until none is ample. Experts without pairs carry no rows and are never
+    reached."""
+    load = [0] * R
+    for hs, x in zip(holder_lists, c_l):
+        if hs:
+            if hs[0] < 0 or hs[-1] >= R:
+                return None
+            for r in hs:
+                load[r] += x
+    alive = range(len(c_l))
+    while True:
+        kept = []
+        for e in alive:
+            if c_l[e]:
                 for r in holder_lists[e]:
-                    k = sl[r]
-                    if k > 0:
-                        d = s if s < k else k
-                        f[r] += d
-                        sl[r] = k - d
-                        s -= d
-                        if not s:
-                            break
-                supply[e] = s
-        blocked = max_flow(fl, supply, sl, holder_lists, holders_of_rank, domain)
-        for e in domain:
-            pl[e] = target[e] - supply[e]
+                    if load[r] <= cap[r]:
+                        break
+                else:
+                    kept.append(e)
+        if len(kept) == len(alive):
+            return kept
+        alive = kept
+        load = [0] * R  # the experts that left no longer load their other holders
+        for e in alive:
+            x = c_l[e]
+            for r in holder_lists[e]:
+                load[r] += x
+
+
+def _progressive_filling(experts: list[int], c_l: list[int], cap: list[int],
+                         holder_lists: list[list[int]]) -> list[tuple[int, int]] | None:
+    """The rounds of :func:`max_min_quotas` on the contested ``experts`` (renumbered 0..n−1 in
+    ascending order; ranks keep their numbers): (expert, quota) of every expert cut below its
+    count, or None where leftover capacity would be handed out (the caller then runs the
+    reference).
+
+    *Bounds.* Round 1's first trial places every count: rows that fit on a holder directly go
+    there first, a max-flow places the rest. Its blocking set A₁ bounds every later trial: A₁'s
+    holders received rows from A₁ alone when that flow stopped (a rank with rows of another
+    expert would have led the search to it), and each trial moves rows only of the experts it
+    searches from and along augmenting paths out of them, so by induction no other expert ever
+    has rows there or is reached, and keeps q(1, c) = c. Likewise each trial stays inside the
+    earlier blocking set that bounds it — the previous trial's within a round, the previous
+    round's first set for a round's first trial — whose experts are the only ones whose targets
+    change; the other experts are at their targets (any value up to the one they were placed at
+    then serves: they fit without the bounding set's ranks, so the minimal cut is the same).
+
+    *Saturated sets leave.* Once a round's last blocking set S is frozen with quotas that fill
+    its holders N(S) exactly, some maximum flow of any later trial keeps S on N(S); from an
+    expert outside, the search then reaches ranks of N(S) that are full and carry rows of S
+    alone, then experts of S whose rows all lie on ranks reached with them: the part of S reached
+    adds no unfrozen expert and as much capacity as frozen quota. So blocking sets keep their
+    unfrozen experts and room, no row can ever be added to S, and S's experts leave every search
+    and N(S) the holders of everyone else.
+
+    *The next round's first set.* For X outside S, N(X ∪ S) is N'(X) (its holders without N(S))
+    and N(S) apart, so the next round's deficiency is D'(X) = D(X ∪ S) − D(S), D this round's
+    at its first targets (S's unfrozen experts at c). This round's first set B₀ is the minimal
+    maximiser of D and contains S, and maximisers of D (a supermodular function) are closed under
+    ∩ and ∪, so the minimal maximiser of D' is B₀ ∖ S when D(B₀) − D(S) > 0, and empty (every
+    count then fits: the last round) otherwise — no max-flow needed.
+
+    Only round 1 can fail for lack of capacity, and only its blocking sets are named in the
+    error: from round 2 on, the previous round's last flow fits at least one pair of every
+    expert, so no blocking set has more unfrozen experts than room.
+    """
+    n, m = len(experts), len(cap)
+    hl = [holder_lists[e] for e in experts]  # replaced when a rank leaves, never changed in place
+    hor = experts_of_ranks(hl, m)
+    cl = [c_l[e] for e in experts]
+    cf = [float(x) for x in cl]
+
+    # Round 1's first trial: every expert at q(1, c) = c (every count is below 2⁵²).
+    fl = [[0] * m for _ in range(n)]  # rows of expert e on rank r (holders only)
+    sl = list(cap)
+    sup = list(cl)
+    for e in range(n):
+        s, f = sup[e], fl[e]
+        for r in hl[e]:
+            k = sl[r]
+            if k > 0:
+                d = s if s < k else k
+                f[r] += d
+                sl[r] = k - d
+                s -= d
+                if not s:
+                    break
+        sup[e] = s
+    blocked = max_flow(fl, sup, sl, hl, hor)
+    if blocked is None:
+        return []
+    pl = [x - s for x, s in zip(cl, sup)]  # rows placed, per expert
+    sup = [0] * n  # kept all zero between trials
+
+    def search(short, target):
+        """Move the ``short`` experts (ascending) up to their ``target``, the others being at
+        theirs: rows that fit on a holder directly go there, a max-flow places the rest. Returns
+        its blocking set (experts, ranks), or None once every target is placed."""
+        left = []  # experts with rows still unplaced, ascending
+        for e in short:
+            t = target[e]
+            s = t - pl[e]
+            f = fl[e]
+            for r in hl[e]:
+                k = sl[r]
+                if k > 0:
+                    d = s if s < k else k
+                    f[r] += d
+                    sl[r] = k - d
+                    s -= d
+                    if not s:
+                        break
+            if s:
+                sup[e] = s
+                left.append(e)
+            pl[e] = t - s
+        if not left:
+            return None
+        blocked = max_flow(fl, sup, sl, hl, hor, left)  # every expert with supply is in `left`
+        for e in left:
+            pl[e] = target[e] - sup[e]
+            sup[e] = 0
         return blocked
 
-    frozen = [False] * E
-    target = list(c_l)  # q(1, c) = c for every count below 2⁵²: unfrozen experts stay at c
-    domain = list(range(E))
+    frozen = [False] * n
+    gone = [False] * n  # experts of a saturated set, out of the problem
+    target = list(cl)  # unfrozen experts stay at c
+    domain, first_ranks = blocked  # A₁ and its holders: every trial stays inside
+    deficit = sum([cl[e] for e in domain]) - sum([cap[r] for r in first_ranks])
+    first_round = True
     while True:
-        rho, tight = 1.0, None
+        tight = None
         trial = list(target)
-        blocked = trial_cut(flow, placed, slack, trial, domain)
+        if blocked is None:
+            # A round's first trial: its unfrozen experts back to c (frozen ones are at their
+            # quotas, the others at c already), searching from the previous round's first set.
+            blocked = search([e for e in domain if not frozen[e] and pl[e] < cl[e]], trial)
+            if blocked is not None:
+                deficit = sum([trial[e] for e in blocked[0]]) - sum([cap[r] for r in blocked[1]])
         first = True
         while blocked is not None:
             seen_e, seen_r = blocked
             if first:  # the next round's trials are bounded by this round's first set
                 domain, first = seen_e, False
+                first_r = seen_r
             active = [e for e in seen_e if not frozen[e]]
-            room = sum(cap[r] for r in seen_r) - sum(target[e] for e in seen_e if frozen[e])
-            if not active or len(active) > room:  # q(0, c) = 1: an active expert has c > 0
-                need = sum(target[e] if frozen[e] else _quota_of(c_l[e], 0.0) for e in seen_e)
+            room = sum([cap[r] for r in seen_r]) - sum([target[e] for e in seen_e if frozen[e]])
+            if first_round and (not active or len(active) > room):  # q(0, c) = 1: c > 0 here
+                need = sum(target[e] if frozen[e] else _quota_of(cl[e], 0.0) for e in seen_e)
                 raise ValueError(
-                    f"budget too small to keep one pair of every expert with tokens: experts {seen_e} "
-                    f"need at least {need} kept rows, "
-                    f"their holders {seen_r} can keep {sum(cap[r] for r in seen_r)}"
+                    f"budget too small to keep one pair of every expert with tokens: experts "
+                    f"{[experts[e] for e in seen_e]} need at least {need} kept rows, their holders "
+                    f"{seen_r} can keep {sum(cap[r] for r in seen_r)}"
                 )
-            rho = _ratio_of([c_l[e] for e in active], room)  # active experts have pairs
-            if rho is None:
-                rho = _largest_ratio(c[active], room)
-            tight = active
-            for e in active:
-                q = -((1e-6 - rho * c_f[e]) // 1.0)  # _quota_of(c_e, rho), inline
-                trial[e] = int(1.0 if q < 1.0 else (c_f[e] if q > c_f[e] else q))
-            blocked = trial_cut(flow, placed, slack, trial, seen_e)
+            # active experts have pairs
+            quotas = _fair_quotas([cl[e] for e in active], [cf[e] for e in active], room)
+            tight, last_e, last_r = active, seen_e, seen_r
+            # The next trial: the active experts at q(ρ), searching from this blocking set.
+            # Rows above a new quota go back first (highest rank first), so that the experts
+            # below theirs can take the room directly.
+            short = []
+            for e, t in zip(active, quotas):
+                trial[e] = t
+                p = pl[e]
+                if p > t:
+                    excess, f = p - t, fl[e]
+                    for r in reversed(hl[e]):
+                        k = f[r]
+                        if k:
+                            d = k if k < excess else excess
+                            f[r] = k - d
+                            sl[r] += d
+                            excess -= d
+                            if not excess:
+                                break
+                    pl[e] = t
+                elif p < t:
+                    short.append(e)
+            blocked = search(short, trial) if short else None
         if tight is None:
             target = trial
             break
+        first_round = False
+        if any([sl[r] for r in last_r]):
+            for e in tight:
+                target[e] = trial[e]  # the quota at the round's ρ
+                frozen[e] = True
+            continue  # blocked is None: the next round starts with a trial
+        # Saturated: S = the last blocking set leaves the problem. Its deficiency at this
+        # round's first targets (its unfrozen experts at c), and so the next round's first set.
+        deficit -= sum([target[e] for e in last_e]) - sum([cap[r] for r in last_r])
         for e in tight:
             target[e] = trial[e]  # the quota at the round's ρ
             frozen[e] = True
+        for e in last_e:
+            gone[e] = True
+        for r in last_r:
+            for e in hor[r]:
+                if not gone[e]:
+                    hl[e] = [h for h in hl[e] if h != r]
+        domain = [e for e in domain if not gone[e]]
+        if deficit > 0:
+            dead = set(last_r)
+            blocked = domain, [r for r in first_r if r not in dead]
+        elif search([e for e in domain if not frozen[e] and pl[e] < cl[e]], target) is not None:
+            raise AssertionError("unreachable: a round's first set without deficiency blocks")
+        else:
+            break
     # Leftover capacity for frozen experts: where none is reachable (the usual case) the
-    # quotas are the targets; else the reference's flow decides who gets it.
-    wanted = [c_l[e] - target[e] for e in range(E)]
-    left = list(wanted)
-    short = [e for e in range(E) if left[e]]
-    if short:
-        max_flow(flow, left, slack, holder_lists, holders_of_rank, short)
-        if left != wanted:
-            return _max_min_quotas_by_flows(counts_E, holders, cap_R)
-    return torch.from_numpy(np.array(target, dtype=np.int64))
+    # quotas are the targets; else the reference's flow decides who gets it. The search from
+    # them stays on A₁'s holders: without slack there, there is none; saturated sets take none.
+    if any([sl[r] for r in first_ranks]):
+        wanted = [cl[e] - target[e] if not gone[e] else 0 for e in range(n)]
+        left = list(wanted)
+        short = [e for e in range(n) if left[e]]
+        if short:
+            max_flow(fl, left, sl, hl, hor, short)
+            if left != wanted:
+                return None
+    return [(experts[e], t) for e, t in enumerate(target) if t != cl[e]]
 
 
 def _max_min_quotas_by_flows(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list[int]) -> torch.Tensor:
@@ -236,29 +402,87 @@ def _largest_ratio(c: np.ndarray, room: int) -> float:
     return lo
 
 
-def _ratio_of(counts: list[int], room: int) -> float | None:
-    """:func:`_largest_ratio` of the positive ``counts``, or None where its check fails."""
-    if sum(counts) <= room and max(counts, default=0) < 1 << 52:  # q(1, x) = x: all fit
+def _fair_quotas(counts: list[int], floats: list[float], room: int) -> list[int]:
+    """q(ρ, c) of the positive ``counts`` (each below 2⁵²; ``floats``: the same as floats) at
+    ρ = :func:`_largest_ratio` of them: the same float operations as :func:`_quota`. The usual
+    case in one pass: the quotas at the candidate of :func:`_ratio_of`, kept once that pass
+    shows it stands (Σ q ≤ room there and > room one grid point above)."""
+    total = sum(counts)
+    if total <= room:  # ρ = 1
+        return list(counts)
+    extra = room - len(counts)
+    if extra >= 0 and total < 1 << 53:  # else ρ = 0, or sums of floats are not exact
+        m = int(_step(counts, extra, total) / _GRID)  # there are enough steps: Σ c > room
+        if 0 < m < _TOP:
+            rho = m * _GRID
+            above = rho + _GRID
+            quotas = []
+            at = up = 0.0
+            for x in floats:
+                q = -((1e-6 - rho * x) // 1.0)  # ceil(ρ·x − 1e-6): fl(b − a) = −fl(a − b)
+                q = 1.0 if q < 1.0 else (x if q > x else q)
+                quotas.append(int(q))
+                at += q
+                q = -((1e-6 - above * x) // 1.0)
+                up += 1.0 if q < 1.0 else (x if q > x else q)
+            if at <= room < up:
+                return quotas
+    rho = _ratio_of(counts, room, floats)
+    if rho is None:
+        rho = _largest_ratio(np.array(counts, dtype=np.int64), room)
+    return [_quota_of(x, rho) for x in counts]
+
+
+def _ratio_of(counts: list[int], room: int, floats: list[float] | None = None) -> float | None:
+    """:func:`_largest_ratio` of the positive ``counts`` (``floats``: the same as floats, if at
+    hand), or None where its check fails.
+
+    The candidate is the grid point just below the (room − n + 1)-th smallest step of q (see
+    :func:`_step`); it stands only once the exact sum says so — Σ q ≤ room there and > room one
+    grid point above — moving a few grid points where rounding put it off (else None). The sum is
+    of floats while Σ c < 2⁵³ (every partial sum is then an exact integer), else of ints."""
+    total = sum(counts)
+    if max(counts, default=0) >= 1 << 52:
+        return 0.0 if room < len(counts) else None
+    if total <= room:  # q(1, x) = x: all fit
         return 1.0
     extra = room - len(counts)  # steps above one pair each that fit
     if extra < 0:
         return 0.0  # even one pair each does not fit, at any ρ > 0
-    step = _step(counts, extra) if max(counts) < 1 << 52 else None
+    step = _step(counts, extra, total)
     if step is None:
         return None
-    floats = [float(x) for x in counts]
+    if floats is None:
+        floats = [float(x) for x in counts]
     m = min(int(step / _GRID), _TOP)
+    if total < 1 << 53 and 0 < m < _TOP:
+        at, above = _sums(floats, m * _GRID, (m + 1) * _GRID)
+        if at <= room < above:  # the usual case: the candidate stands
+            return m * _GRID
+    fits = _fits if total < 1 << 53 else _fits_exactly
     for _ in range(4):
-        if m == 0 or _fits(floats, m * _GRID, room):
+        if m == 0 or fits(floats, m * _GRID, room):
             break
         m -= 1
     else:
         return None
     for _ in range(4):
-        if m == _TOP or not _fits(floats, (m + 1) * _GRID, room):
+        if m == _TOP or not fits(floats, (m + 1) * _GRID, room):
             return m * _GRID
         m += 1
     return None
+
+
+def _sums(counts: list[float], rho: float, rho2: float) -> tuple[float, float]:
+    """Σ_e _quota(c_e, ρ) and the same at ρ2, over positive counts, in :func:`_fits`'s float
+    operations (one pass for both)."""
+    total = total2 = 0.0
+    for x in counts:
+        q = -((1e-6 - rho * x) // 1.0)
+        total += 1.0 if q < 1.0 else (x if q > x else q)
+        q = -((1e-6 - rho2 * x) // 1.0)
+        total2 += 1.0 if q < 1.0 else (x if q > x else q)
+    return total, total2
 
 
 def _fits(counts: list[float], rho: float, room: int) -> bool:
@@ -270,48 +494,55 @@ def _fits(counts: list[float], rho: float, room: int) -> bool:
     return total <= room
 
 
-def _step(counts: list[int], extra: int) -> float | None:
-    """The (extra + 1)-th smallest of the steps (k + 10⁻⁶) / c, 1 ≤ k < c, over the counts c;
-    None if there are not that many (or, rarely, if rounding hides it: the caller then bisects).
-
-    Steps of c at or below ρ: clip(⌊ρ·c − 10⁻⁶⌋, 0, c − 1), within 1 of the relaxation
-    f(ρ) = Σ min(ρ·c, c − 1) (10⁻⁶ aside), which is piecewise linear: counts at or below
-    1 / (1 − ρ) are capped. The wanted step lies between f⁻¹(extra) and f⁻¹(extra + 1 + n),
-    where at most about 2n + 1 steps lie: list those and pick."""
-    n = len(counts)
-    if sum(counts) - n <= extra:
-        return None
-    xs = sorted(counts)
-    suffix = [0] * (n + 1)
-    for j in range(n - 1, -1, -1):
-        suffix[j] = suffix[j + 1] + xs[j]
-    bounds = []
-    j = capped = 0  # xs[:j] capped at c − 1, contributing `capped`
-    for y in (extra, extra + 1 + n):
-        while True:
-            if suffix[j] == 0:
-                rho = 1.0
-                break
-            rho = (y - capped) / suffix[j]
-            if j < n and rho >= 1.0 - 1.0 / xs[j]:
-                capped += xs[j] - 1
-                j += 1
-                continue
-            break
-        bounds.append(min(max(rho, 0.0), 1.0))
-    lo, hi = bounds
-    below = 0
-    window = []
+def _fits_exactly(counts: list[float], rho: float, room: int) -> bool:
+    """:func:`_fits` summed as ints, for counts whose total reaches 2⁵³."""
+    total = 0
     for x in counts:
-        k_lo = int(lo * x - 1e-6)  # steps of x at or below lo (truncation is the floor here)
-        k_lo = 0 if k_lo < 0 else (x - 1 if k_lo >= x else k_lo)
-        k_hi = int(hi * x - 1e-6)
-        k_hi = 0 if k_hi < 0 else (x - 1 if k_hi >= x else k_hi)
-        below += k_lo
-        if k_hi > k_lo:
-            window += [(k + 1e-6) / x for k in range(k_lo + 1, k_hi + 1)]
-    i = extra - below  # position of the wanted step among those in (lo, hi]
-    if not 0 <= i < len(window):
+        q = -((1e-6 - rho * x) // 1.0)
+        total += 1 if q < 1.0 else int(x if q > x else q)
+    return total <= room
+
+
+def _step(counts: list[int], extra: int, total: int) -> float | None:
+    """The (extra + 1)-th smallest of the steps (k + 10⁻⁶) / c, 1 ≤ k < c, over the counts c
+    (``total`` = Σ c); None if there are not that many.
+
+    Steps of c at or below ρ: k_c(ρ) = clip(⌊ρ·c − 10⁻⁶⌋, 0, c − 1), within ½ of ρ·c − ½ (10⁻⁶
+    aside) whether clipped or not. So at ρ₀ = (extra + 1 + n/2) / Σ c < 1 their number g lies
+    within about n/2 of extra + 1 (usually within 1 or 2), and the wanted step is reached by
+    walking |g − extra − 1| steps from ρ₀ in order — down through the largest steps at or below
+    ρ₀, or up through the smallest above it — each count's next one kept in a heap. Rounding can
+    only misplace steps within a few ulps of ρ₀ (or, for counts near 2⁵², count one too many),
+    and the caller checks the result on the exact sums."""
+    n = len(counts)
+    if total - n <= extra:
         return None
-    window.sort()
-    return window[i]
+    want = extra + 1
+    if n == 1:
+        return (want + 1e-6) / counts[0]
+    rho = (want + 0.5 * n) / total
+    ks = [int(rho * x - 1e-6) for x in counts]  # truncation is the floor here: ρ·x − 10⁻⁶ > −1
+    d = sum(ks) - want
+    if d >= 0:  # drop the d largest steps at or below ρ₀: the largest left is the one
+        if not d:
+            return max([(k + 1e-6) / x for k, x in zip(ks, counts) if k])
+        heap = [(-(k + 1e-6) / x, k, x) for k, x in zip(ks, counts) if k]
+        heapify(heap)
+        for _ in range(d):
+            _, k, x = heap[0]
+            if k > 1:
+                heapreplace(heap, (-(k - 1 + 1e-6) / x, k - 1, x))
+            else:
+                heappop(heap)
+        return -heap[0][0]
+    if d == -1:  # the smallest step above ρ₀
+        return min([(k + 1 + 1e-6) / x for k, x in zip(ks, counts) if k + 1 < x])
+    heap = [((k + 1 + 1e-6) / x, k + 1, x) for k, x in zip(ks, counts) if k + 1 < x]
+    heapify(heap)
+    for _ in range(-d - 1):  # take the smallest steps above ρ₀ until `want` are counted
+        _, k, x = heap[0]
+        if k + 1 < x:
+            heapreplace(heap, ((k + 1 + 1e-6) / x, k + 1, x))
+        else:
+            heappop(heap)
+    return heap[0][0]
