@@ -211,7 +211,6 @@ def _progressive_filling(experts: list[int], c_l: list[int], cap: list[int],
     target = list(cl)  # unfrozen experts stay at c
     domain, first_ranks = blocked  # A₁ and its holders: every trial stays inside
     deficit = sum([cl[e] for e in domain]) - sum([cap[r] for r in first_ranks])
-    first_round = True
     while True:
         tight = None
         trial = list(target)
@@ -229,7 +228,7 @@ def _progressive_filling(experts: list[int], c_l: list[int], cap: list[int],
                 first_r = seen_r
             active = [e for e in seen_e if not frozen[e]]
             room = sum([cap[r] for r in seen_r]) - sum([target[e] for e in seen_e if frozen[e]])
-            if first_round and (not active or len(active) > room):  # q(0, c) = 1: c > 0 here
+            if not active or len(active) > room:  # q(0, c) = 1: c > 0 here (round 1 only, see above)
                 need = sum(target[e] if frozen[e] else _quota_of(cl[e], 0.0) for e in seen_e)
                 raise ValueError(
                     f"budget too small to keep one pair of every expert with tokens: experts "
@@ -264,7 +263,6 @@ def _progressive_filling(experts: list[int], c_l: list[int], cap: list[int],
         if tight is None:
             target = trial
             break
-        first_round = False
         if any([sl[r] for r in last_r]):
             for e in tight:
                 target[e] = trial[e]  # the quota at the round's ρ
