@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lrmoe.assignment import PairAssignment
-from lrmoe.balance import HolderIndex
+from lrmoe.balance import HolderIndex, holder_index
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Placement:
     @cached_property
     def holder_index(self) -> HolderIndex:
         """:attr:`holder_lists` indexed for the planners (built once per placement)."""
-        return HolderIndex.build(self.holder_lists, self.world)
+        return holder_index(self.holder_lists, self.world)
 
     def owner_assignment(self, counts_SE: torch.Tensor) -> PairAssignment:
         """Single-copy placement: every pair of expert e goes to its owner."""
