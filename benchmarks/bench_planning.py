@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from common import print_table, write_json
 
-from lrmoe.balance import HolderIndex, assign_min_peak, min_peak_assignment
+from lrmoe.balance import assign_min_peak, min_peak_assignment
 from lrmoe.controller import max_min_quotas
+from lrmoe.holders import HolderIndex
 from lrmoe.placement import Placement, plan_replicas
 from lrmoe.planners import CostModel, flexmoe_replan, laer_layout, localize, shadow_experts
 from lrmoe.selection import largest_remainder

@@ -16,7 +16,8 @@ from lrmoe.assignment import PairAssignment
 from lrmoe.balance import assign_min_peak, min_peak_assignment
 from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
 from lrmoe.planners import CostModel, laer_layout, localize, shadow_experts
-from lrmoe.quotas import _largest_ratio, max_min_quotas
+from lrmoe.quota_ratio import largest_ratio
+from lrmoe.quotas import max_min_quotas
 
 # ---------------------------------------------------------------------------------------------
 # Reference: the implementations before the speed-ups (lrmoe.balance, lrmoe.controller,
@@ -647,7 +648,7 @@ def test_largest_ratio_matches_bisection():
             c = (rng.zipf(1.3, n) * int(rng.integers(1, 1000))).clip(0, 10**9)
         c = c.astype(np.int64)
         room = int(rng.integers(-2, int(c.sum()) + 3))
-        assert _largest_ratio(c, room) == ref_largest_ratio(c, room), (c.tolist(), room)
+        assert largest_ratio(c, room) == ref_largest_ratio(c, room), (c.tolist(), room)
 
 
 def test_replica_planning_matches_reference():

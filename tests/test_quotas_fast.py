@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lrmoe.quotas import _contested_experts, _fair_quotas, _largest_ratio, _quota, max_min_quotas
+from lrmoe.quota_ratio import fair_quotas, largest_ratio, quota_array
+from lrmoe.quotas import _contested_experts, max_min_quotas
 from tests.test_planning_speedups import (
     random_holders,
     ref_largest_ratio,
@@ -127,6 +128,6 @@ def test_fair_quotas_are_the_quotas_at_the_largest_ratio():
         c = c.astype(np.int64)
         room = int(rng.integers(n - 2, int(c.sum()) + 3))
         rho = ref_largest_ratio(c, room)
-        assert _largest_ratio(c, room) == rho, (c.tolist(), room)
+        assert largest_ratio(c, room) == rho, (c.tolist(), room)
         counts = c.tolist()
-        assert _fair_quotas(counts, [float(x) for x in counts], room) == _quota(c, rho).tolist(), (counts, room)
+        assert fair_quotas(counts, [float(x) for x in counts], room) == quota_array(c, rho).tolist(), (counts, room)

@@ -7,7 +7,8 @@ docs/design.md. Package layout, data flowing one way:
     systems.py   one SystemSpec per system name, and the name parser
     router.py    softmax top-k (Qwen3) · sigmoid + correction bias (GLM-4.5)
     plan.py      LayerPlanner: placement and one CallPlan per call (controller.py, planners.py,
-                 placement.py, balance.py, quotas.py are its pure, deterministic parts;
+                 placement.py, holders.py, balance.py, quotas.py, quota_ratio.py are its pure,
+                 deterministic parts;
                  assignment.py the form of its result: where each pair is computed)
     dispatch.py  row plans and the exchanges that move rows (comm.py counts the bytes)
     experts.py   grouped SwiGLU experts and the one grouped-GEMM seam

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lrmoe.assignment import PairAssignment
-from lrmoe.balance import HolderIndex, holder_index
+from lrmoe.holders import HolderIndex, holder_index
 
 
 @dataclass(frozen=True)
