@@ -22,7 +22,10 @@ Planners, as the layer calls them (``lrmoe.plan``):
 - ``localize``: topoep's re-matching of the forward assignment, 8 ranks per node;
 - ``shadow_experts``: fastermoe's per-call decision (Qwen3-30B-A3B's D, F, bf16);
 - ``laer_layout``: laer's per-call layout;
-- ``flexmoe_replan``: flexmoe's greedy re-placement (between steps; ``--no-flexmoe`` skips it).
+- ``flexmoe_replan``: flexmoe's greedy re-placement (between steps; ``--no-flexmoe`` skips it);
+- ``strata``: a local selection's kept counts at one rank (``lrmoe.strata.plan_strata``: the
+  quotas' largest-remainder shares over sources, split over the forward's holders, in send
+  order), once per lrmoe backward with the default selection.
 
 One thread. Calls run interleaved (one call of every planner and instance per round, after a
 warm-up round) and each row reports the median and p90 of the wall time over instances x
@@ -47,9 +50,10 @@ from lrmoe.holders import HolderIndex
 from lrmoe.placement import Placement, plan_replicas
 from lrmoe.planners import CostModel, flexmoe_replan, laer_layout, localize, shadow_experts
 from lrmoe.selection import largest_remainder
+from lrmoe.strata import plan_strata
 
 PLANNERS = ["max_min_quotas", "assign_min_peak", "assign_min_peak_cap", "assign_min_peak_dense", "holder_index",
-            "plan_replicas", "localize", "shadow_experts", "laer_layout", "flexmoe_replan"]
+            "plan_replicas", "localize", "shadow_experts", "laer_layout", "flexmoe_replan", "strata"]
 COST = CostModel(dim=2048, ffn_dim=768, elem_bytes=2)  # Qwen3-30B-A3B's routed experts, bf16
 FLEXMOE_HORIZON = 10
 
@@ -76,6 +80,7 @@ def instance(E: int, W: int, seed: int, args: argparse.Namespace) -> dict:
     per_node = min(8, max(W // 2, 1))
     return dict(
         counts_SE=counts_SE, counts_E=counts_E, holders=holders, cap_R=cap_R, base=base, placement=placement,
+        quota_E=quota_E,
         kept_ES=largest_remainder(quota_E, counts_SE).t().contiguous(),
         assignment=min_peak_assignment(counts_SE.t(), placement.holder_index),
         slots_R=[o + max(1, math.ceil(o / 2)) for o in owned],
@@ -98,6 +103,7 @@ def calls(inst: dict) -> dict:
         "laer_layout": lambda: laer_layout(inst["counts_E"], inst["base"], inst["slots_R"]),
         "flexmoe_replan": lambda: flexmoe_replan(inst["placement"], inst["counts_E"].to(torch.float64),
                                                  inst["slots_R"], COST, FLEXMOE_HORIZON),
+        "strata": lambda: plan_strata(inst["assignment"], inst["placement"], inst["counts_SE"], inst["quota_E"], 0),
     }
 
 

@@ -216,11 +216,13 @@ def test_fixed_size_sampling_keeps_exactly_the_quota(pool, world, selection):
         assert torch.equal(sum(r[0] for r in res), quota), "exactly q_e kept per expert, over all ranks"
         assert all(torch.equal(r[2], quota) for r in res), "kept_E reports it on every rank"
     if selection == "local-sampled" and world > 1:
-        # nothing but counts crosses ranks before the rows: E non-finite counts to each peer,
-        # then dy and x rows out and dx back — no score exchange
+        # nothing crosses ranks before the rows (no count, mask or score exchange): dy out with
+        # each kept row's 4-byte position, dx back over the same rows
+        row = QWEN["dim"] * 4
         for r in res:
-            assert len(r[3]) == 4, r[3]
-            assert r[3][0][0] == (world - 1) * QWEN["num_experts"] * 8, r[3]
+            assert len(r[3]) == 2, r[3]
+            (dy_sent, dy_recv), (dx_sent, dx_recv) = r[3]
+            assert dy_sent * row == dx_recv * (row + 4) and dy_recv * row == dx_sent * (row + 4), r[3]
 
 
 def weighted_case(group, selection):
@@ -300,7 +302,7 @@ def test_bad_backward_config():
 # ------------------------------------------------------------------- non-finite values
 
 
-@pytest.mark.parametrize("selection", ["lrm", "local-sampled", "sampled"])
+@pytest.mark.parametrize("selection", ["lrm", "sampled"])
 def test_nonfinite_scores_are_kept_and_reported(selection):
     cfg = MoEConfig(**QWEN)
     sd, x, g = make_problem(cfg, 24, 5, "none")
@@ -317,6 +319,33 @@ def test_nonfinite_scores_are_kept_and_reported(selection):
     nf = torch.bincount(ids[:6].flatten(), minlength=8)
     assert torch.equal(layer.last_stats["kept_E"], torch.maximum(fixed_ratio_quota(counts, 0.1), nf))
     assert not torch.isfinite(xi.grad[:6]).all(), "the broken gradient stays visible"
+
+
+@pytest.mark.parametrize("selection", ["local-sampled", "local"])
+def test_local_selection_keeps_nonfinite_first_within_its_shares(selection):
+    """A local selection keeps exactly its shares (no exchange can grow them): non-finite pairs
+    first, ``nonfinite`` reported where they alone exceed a share, and the broken gradient
+    still visible through the router gradient, exact for every pair."""
+    cfg = MoEConfig(**QWEN)
+    sd, x, g = make_problem(cfg, 24, 5, "none")
+    layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig(selection, ratio=0.1))
+    layer.load_full_state_dict(sd)
+    g_bad = g.clone()
+    g_bad[:6, 0] = float("inf")  # six tokens, twelve pairs with an infinite score
+    xi = x.clone().requires_grad_(True)
+    layer(xi).backward(g_bad)
+    ids = layer.router(x).ids_TK
+    counts = torch.bincount(ids.flatten(), minlength=8)
+    quota = fixed_ratio_quota(counts, 0.1)
+    nf = torch.bincount(ids[:6].flatten(), minlength=8)
+    kept = layer.last_kept
+    assert torch.equal(layer.last_stats["kept_E"], quota)
+    assert torch.equal(torch.bincount(ids[kept], minlength=8), quota), "exactly q_e, non-finite or not"
+    kept_nf = torch.bincount(ids[:6][kept[:6]], minlength=8)
+    assert torch.equal(kept_nf, torch.minimum(nf, quota)), "non-finite pairs first"
+    assert bool((nf > quota).any()) and layer.last_stats["nonfinite"] is True
+    assert not torch.isfinite(xi.grad[:6]).all(), "the broken gradient stays visible"
+    assert not torch.isfinite(layer.router.weight.grad).all()
 
 
 def test_huge_finite_values_do_not_overflow_scores():

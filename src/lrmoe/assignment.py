@@ -83,3 +83,35 @@ class PairAssignment:
             if e in slot:
                 out[slot[e]] = self.rows_HS[h]
         return torch.from_numpy(out.T.copy())
+
+    def restricted(self, kept_SE: torch.Tensor | np.ndarray) -> PairAssignment:
+        """The kept pairs computed where this assignment computed them: each (source s,
+        expert e)'s ``kept_SE[s, e]`` pairs split over e's entries in proportion to the rows
+        each computed from s — floors, then one more for the largest remainders (ties: the
+        earlier entry, i.e. the lower rank). Integer arithmetic, so every rank derives the
+        same split from the plan alone. ``kept_SE`` may not exceed the assigned pairs."""
+        kept_ES = np.ascontiguousarray(np.asarray(kept_SE, dtype=np.int64).T)
+        sizes_E = np.bincount(self.expert_H, minlength=self.num_experts)
+        share_HS = kept_ES[self.expert_H]  # an expert computed by one entry keeps all there
+        bad = kept_ES[sizes_E == 0].any() or (share_HS > self.rows_HS)[sizes_E[self.expert_H] == 1].any()
+        multi = np.flatnonzero(sizes_E > 1)
+        if len(multi):  # the entries of each such expert laid out as (entry, expert, source)
+            first = np.cumsum(sizes_E)[multi] - sizes_E[multi]
+            M = int(sizes_E[multi].max())
+            valid_MX = np.arange(M)[:, None] < sizes_E[multi]
+            h_MX = np.where(valid_MX, first + np.arange(M)[:, None], 0)
+            rows_MXS = self.rows_HS[h_MX] * valid_MX[:, :, None]
+            kept_XS = kept_ES[multi]
+            total_XS = rows_MXS.sum(0)
+            bad = bad or (kept_XS > total_XS).any()
+            floor_MXS, rem_MXS = np.divmod(kept_XS * rows_MXS, np.maximum(total_XS, 1))
+            rem_MXS[~valid_MX] = -1  # remainders share a denominator within (expert, source): compared exactly
+            missing_XS = kept_XS - floor_MXS.sum(0)
+            for j in range(M):  # entry j's place among its expert's by remainder (ties: the earlier entry)
+                ahead = sum((rem_MXS[k] >= rem_MXS[j]) if k < j else (rem_MXS[k] > rem_MXS[j])
+                            for k in range(M) if k != j)
+                floor_MXS[j] += ahead < missing_XS
+            share_HS[h_MX[valid_MX]] = floor_MXS[valid_MX]
+        if bad:
+            raise ValueError("restricted: more pairs kept than the assignment computes")
+        return PairAssignment(self.expert_H, self.rank_H, share_HS, self.num_experts)

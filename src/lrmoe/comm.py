@@ -25,6 +25,15 @@ def comm_device(group: Group) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (counts, offsets, index plans) copied to ``device`` without making the host
+    wait for the device: on CUDA through a pinned staging copy that the caching host allocator
+    keeps alive until the transfer is done (a plain ``.to`` from pageable memory synchronises)."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def world_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

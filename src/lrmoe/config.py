@@ -13,6 +13,9 @@ import torch
 
 ROUTERS = ("softmax", "sigmoid")
 SELECTIONS = ("lrm", "random", "local", "sampled", "local-sampled")
+# Selections with no exchange: every rank's share of q_e, and where each kept pair is computed,
+# follow from the counts alone (lrmoe.strata)
+LOCAL_SELECTIONS = ("local", "local-sampled")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -154,6 +157,11 @@ class BackwardConfig:
             raise _bad("score_power", self.score_power, "expected a number in [0, 2]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "expected an integer")
+
+    @property
+    def local(self) -> bool:
+        """Each rank keeps a share of q_e fixed by the counts: no exchange before the rows."""
+        return self.selection in LOCAL_SELECTIONS
 
 
 def _per_rank(field: str, value: object, world: int, minimum: int) -> list[int] | None:

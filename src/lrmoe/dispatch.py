@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lrmoe import comm
@@ -25,6 +26,7 @@ from lrmoe.assignment import PairAssignment
 from lrmoe.comm import Group, WireCounter
 from lrmoe.meter import MemoryMeter
 from lrmoe.placement import Placement
+from lrmoe.strata import Strata, kept_positions
 
 
 @dataclass(frozen=True)
@@ -56,21 +58,21 @@ def build_row_plan(
     """
     E = assignment.num_experts
     device = ids_P.device
-    pairs = torch.arange(ids_P.numel(), device=device) if keep_P is None else keep_P.nonzero().squeeze(1)
+    mine_ER = assignment.sent_ER(rank)
+    pairs = torch.arange(ids_P.numel(), device=device) if keep_P is None else kept_positions(keep_P, int(mine_ER.sum()))
     experts = ids_P[pairs]
     by_expert = torch.argsort(experts, stable=True)
     pairs, experts = pairs[by_expert], experts[by_expert]
 
-    mine_ER = assignment.sent_ER(rank)
     if placement.expert_ordered:
         pair_idx = pairs  # sorted by expert = by (destination, slot)
     else:
-        mine_dev = mine_ER.to(device)
+        mine_dev = comm.to_device(mine_ER, device)
         start_E = mine_dev.sum(1).cumsum(0) - mine_dev.sum(1)
         within = torch.arange(pairs.numel(), device=device) - start_E[experts]
         bounds_PR = mine_dev.cumsum(1)[experts]
         dest = torch.searchsorted(bounds_PR, within.unsqueeze(1), right=True).squeeze(1)
-        slot_WE = placement.slot_index.to(device)
+        slot_WE = comm.to_device(placement.slot_index, device)
         pair_idx = pairs[torch.argsort(dest * E + slot_WE[dest, experts], stable=True)]
 
     send_splits = mine_ER.sum(0).tolist()
@@ -104,17 +106,16 @@ def restrict_to_kept(fwd: RowPlan, keep_P: torch.Tensor, group: Group, wire: Wir
 
 
 def _regroup(counts_SL: torch.Tensor) -> torch.Tensor | None:
-    """Index turning source-major received rows into slot-major rows (sources in rank order)."""
+    """Index turning source-major received rows into slot-major rows (sources in rank order);
+    planned on the host from host counts."""
     S, L = counts_SL.shape
     if S == 1 or L <= 1:
         return None
-    flat_SL = counts_SL.reshape(-1)
-    start_SL = (flat_SL.cumsum(0) - flat_SL).view(S, L)
-    counts_LS, start_LS = counts_SL.t().reshape(-1), start_SL.t().reshape(-1)
-    total = int(flat_SL.sum())
-    dst_start_LS = counts_LS.cumsum(0) - counts_LS
-    shift = torch.repeat_interleave(start_LS - dst_start_LS, counts_LS, output_size=total)
-    return shift + torch.arange(total)
+    flat_SL = counts_SL.numpy().reshape(-1)
+    start_LS = (np.cumsum(flat_SL) - flat_SL).reshape(S, L).T.reshape(-1)
+    counts_LS = flat_SL.reshape(S, L).T.reshape(-1)
+    dst_start_LS = np.cumsum(counts_LS) - counts_LS
+    return torch.from_numpy(np.repeat(start_LS - dst_start_LS, counts_LS) + np.arange(int(flat_SL.sum())))
 
 
 def to_experts(send_ND: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounter,
@@ -125,7 +126,7 @@ def to_experts(send_ND: torch.Tensor, plan: RowPlan, group: Group, wire: WireCou
     meter.hold(recv_RD)
     if plan.regroup_idx is None:
         return recv_RD
-    rows_RD = recv_RD[plan.regroup_idx.to(recv_RD.device)]
+    rows_RD = recv_RD[comm.to_device(plan.regroup_idx, recv_RD.device)]
     meter.hold(rows_RD)
     meter.drop(recv_RD)
     return rows_RD
@@ -135,18 +136,77 @@ def to_home(rows_RX: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounte
     """Inverse of :func:`to_experts`: slot-major expert rows back to their home ranks."""
     if plan.regroup_idx is not None:
         back = torch.empty_like(rows_RX)
-        back[plan.regroup_idx.to(rows_RX.device)] = rows_RX
+        back[comm.to_device(plan.regroup_idx, rows_RX.device)] = rows_RX
         rows_RX = back
     return comm.all_to_all(rows_RX, plan.recv_splits, plan.send_splits, group, wire)
+
+
+def _with_columns(rows_NX: torch.Tensor, extra_N: torch.Tensor) -> torch.Tensor:
+    """``rows_NX`` with each row's ``extra_N`` value appended as extra columns of the rows'
+    dtype (its bytes reinterpreted, nothing rounded): one message instead of two."""
+    cols = extra_N.element_size() // rows_NX.element_size()
+    return torch.cat([rows_NX, extra_N.to(rows_NX.device).view(rows_NX.dtype).view(-1, cols)], 1)
+
+
+def _split_columns(rows_NY: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_with_columns`: (the first ``width`` columns, the extra values)."""
+    return rows_NY[:, :width], rows_NY[:, width:].contiguous().view(dtype).view(-1)
 
 
 def to_home_with_norms(y_RD: torch.Tensor, h_sq_R: torch.Tensor, plan: RowPlan, group: Group, wire: WireCounter
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`to_home` of expert outputs together with each row's float64 ‖h‖² (the LRM score's
-    expert-side factor): the norms ride as extra columns of the same message, their bytes
-    reinterpreted in y's dtype (nothing rounded), so a selective forward makes one return
-    exchange, not two. Returns (y rows, ‖h‖² per row) in home order."""
-    D = y_RD.shape[1]
-    norms_RX = h_sq_R.to(y_RD.device).view(y_RD.dtype).view(y_RD.shape[0], 8 // y_RD.element_size())
-    back_NX = to_home(torch.cat([y_RD, norms_RX], 1), plan, group, wire)
-    return back_NX[:, :D], back_NX[:, D:].contiguous().view(torch.float64).view(-1)
+    expert-side factor) as extra columns: a selective forward makes one return exchange, not
+    two. Returns (y rows, ‖h‖² per row) in home order."""
+    back_NX = to_home(_with_columns(y_RD, h_sq_R), plan, group, wire)
+    return _split_columns(back_NX, y_RD.shape[1], torch.float64)
+
+
+def position_dtype(rows: torch.Tensor) -> torch.dtype:
+    """Dtype of a row's position riding in its message: 4 bytes, 8 beside 8-byte rows."""
+    return torch.int64 if rows.element_size() == 8 else torch.int32
+
+
+def kept_plan(fwd: RowPlan, strata: Strata, keep_N: torch.Tensor, placement: Placement, rank: int
+              ) -> tuple[RowPlan, torch.Tensor]:
+    """The backward plan of a local selection whose kept pairs are computed where the forward
+    computed them: the forward's plan restricted to ``keep_N`` (over its send order), every
+    split size known from the strata. Returns the plan and each kept pair's position inside its
+    stratum (the row's place among the forward's rows from this rank to that slot)."""
+    kept = strata.plan.kept
+    sel = kept_positions(keep_N, strata.plan.sent)
+    counts_SL = kept.received_SL(rank, placement.slots[rank])
+    plan = RowPlan(fwd.pair_idx[sel], kept.sent_ER(rank).sum(0).tolist(), counts_SL.sum(1).tolist(),
+                   _regroup(counts_SL), counts_SL.sum(0), counts_SL)
+    pos = torch.arange(keep_N.numel(), device=keep_N.device) - strata.start_N
+    return plan, pos[sel]
+
+
+def to_kept_experts(dy_ND: torch.Tensor, pos_N: torch.Tensor, plan: RowPlan, fwd: RowPlan, group: Group,
+                    wire: WireCounter, meter: MemoryMeter) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`to_experts` of the kept rows' dy under a :func:`kept_plan`, each row's stratum
+    position riding as extra columns. Returns dy slot-major and, in the same order, each kept
+    row's slot-major index among the forward's received rows (None: every row kept)."""
+    D = dy_ND.shape[1]
+    recv_RX = comm.all_to_all(_with_columns(dy_ND, pos_N.to(position_dtype(dy_ND))), plan.send_splits,
+                              plan.recv_splits, group, wire)
+    recv_RD, pos_R = _split_columns(recv_RX, D, position_dtype(dy_ND))
+    meter.hold(recv_RD)
+    if plan.regroup_idx is None:
+        dy_RD = recv_RD.contiguous()
+    else:
+        regroup = comm.to_device(plan.regroup_idx, recv_RD.device)
+        dy_RD = recv_RD[regroup]
+        meter.hold(dy_RD)
+        meter.drop(recv_RD)
+    if plan.recv_rows == fwd.recv_rows:  # (kept ≤ forward rows in every block)
+        return dy_RD, None
+    # forward rows are slot-major: block (slot l, source s) starts at the rows of earlier blocks
+    S, L = fwd.counts_SL.shape
+    flat_LS = fwd.counts_SL.t().reshape(-1)
+    start_SL = (flat_LS.cumsum(0) - flat_LS).view(L, S).t().reshape(-1)
+    device = recv_RD.device
+    fwd_row_R = torch.repeat_interleave(comm.to_device(start_SL, device),
+                                        comm.to_device(plan.counts_SL.reshape(-1), device),
+                                        output_size=len(pos_R)) + pos_R.long()
+    return dy_RD, fwd_row_R if plan.regroup_idx is None else fwd_row_R[regroup]

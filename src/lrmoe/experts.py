@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lrmoe.comm import to_device
+
 # --------------------------------------------------------------------------------------------
 # The grouped-GEMM seam. Two products cover every expert GEMM:
 #   grouped_mm(a_RK, b_LKN, counts_L)       rows of group l times b[l]        -> (R, N)
@@ -48,7 +50,7 @@ def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor, wgrad: bool, into: bool) -
 
 
 def _offsets(counts_L: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return counts_L.cumsum(0).to(device=device, dtype=torch.int32)
+    return to_device(counts_L.cumsum(0).to(torch.int32), device)
 
 
 def grouped_mm(

@@ -100,7 +100,7 @@ class MoELayer(nn.Module):
         self._backward_calls = 0  # seeds random/sampled selection: one stream per backward
         self._placement_bytes = 0  # parameter bytes moved since the last training call
         self._stale = self.planner.keeps_replicas  # replicas to fetch before the next forward
-        self.last_stats: dict = {}
+        self._last_stats: dict = {}
         self.last_kept: torch.Tensor | None = None  # (T, K) bool after a backward
         self.last_scale: torch.Tensor | None = None  # (T, K) 1/π of kept pairs after a sampled backward
         self.aux_loss: torch.Tensor = torch.zeros(())
@@ -150,8 +150,17 @@ class MoELayer(nn.Module):
         own = torch.Generator().manual_seed((base + self.rank) % (2**63))
         return own, torch.Generator().manual_seed((base - 1) % (2**63))
 
+    @property
+    def last_stats(self) -> dict:
+        """The last call's figures . A local selection's ``nonfinite``
+        flag stays on the device until read here, so the backward itself never waits for it."""
+        flag = self._last_stats.get("nonfinite")
+        if isinstance(flag, torch.Tensor):
+            self._last_stats["nonfinite"] = bool(flag)
+        return self._last_stats
+
     def _publish(self, stats: dict, kept_TK: torch.Tensor, scale_TK: torch.Tensor | None) -> None:
-        self.last_stats, self.last_kept, self.last_scale = stats, kept_TK, scale_TK
+        self._last_stats, self.last_kept, self.last_scale = stats, kept_TK, scale_TK
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +178,7 @@ class MoELayer(nn.Module):
         pending = self._placement_bytes if training else 0
         self._placement_bytes -= pending
         call = CallRecord(self._routed, routing.ids_TK, training, pending, self._selection_generators, self._publish)
-        self.last_stats = call.stats
+        self._last_stats = call.stats
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if training:
             out_TD = RoutedExperts.apply(x_TD, routing.weights_TK, gate_up, down, call)

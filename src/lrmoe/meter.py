@@ -161,13 +161,14 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
       activations keep x and the activations (unless the forward was chunked); those that only
       save rows keep x; the compacting backward (lrmoe) keeps what ``work.keep`` says: nothing,
       x, or x and the activations (unless the forward was chunked);
-    - backward: a compacting backward that kept x first gathers the kept rows (x, then each
-      saved activation) out of the forward's, dropping each full tensor after its gather
-      (nothing to gather when every row is kept); then dy rows (and, when the backward compacts
-      and kept nothing, the re-sent x rows of kept pairs), the four recomputed activations
-      unless saved, and the replica-gradient send buffer. The one byte per forward row that
-      tells a keep-x expert side which rows are kept is bookkeeping, like the row plans' indices,
-      and not counted.
+    - backward: dy rows (and, when the backward compacts and kept nothing, the re-sent x rows
+      of kept pairs); a compacting backward that kept x then gathers the kept rows (x, then
+      each saved activation) out of the forward's, dropping each full tensor after its gather
+      (nothing to gather when every row is kept) — after dy, because a local selection's dy
+      message is what says which rows are kept; then the four recomputed activations unless
+      saved, and the replica-gradient send buffer. The kept rows' positions (4 bytes a row in
+      dy's message) or the global selections' one byte per forward row are bookkeeping, like
+      the row plans' indices, and not counted.
     """
     spec = spec_of(system)
     bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
@@ -210,14 +211,14 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
     # backward
     Rb = work.bwd_rows
     acts_rows = Rf
+    receive(Rb)  # dy
+    if spec.compacts and not keeps_x:
+        receive(Rb)  # x of the kept pairs, re-sent by their home ranks
     if keeps_x and Rb < Rf:  # the kept rows gathered out of the saved ones
         acts_rows = Rb
         for size in [row] + ([acts_row // 4] * 4 if saved_acts else []):
             peak = max(peak, now + Rb * size)
             now += (Rb - Rf) * size
-    receive(Rb)  # dy
-    if spec.compacts and not keeps_x:
-        receive(Rb)  # x of the kept pairs, re-sent by their home ranks
     peak = max(peak, now + (0 if saved_acts else Rb * acts_row))
     if saved_acts:
         now -= acts_rows * acts_row

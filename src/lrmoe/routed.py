@@ -19,11 +19,21 @@ import torch
 from lrmoe import comm, experts, sharding
 from lrmoe.comm import Group, WireCounter
 from lrmoe.config import BackwardConfig
-from lrmoe.dispatch import RowPlan, build_row_plan, restrict_to_kept, to_experts, to_home, to_home_with_norms
+from lrmoe.dispatch import (
+    RowPlan,
+    build_row_plan,
+    kept_plan,
+    restrict_to_kept,
+    to_experts,
+    to_home,
+    to_home_with_norms,
+    to_kept_experts,
+)
 from lrmoe.meter import KEEP_X, KEEP_X_ACTS, MemoryMeter, nbytes
 from lrmoe.plan import ADAM_STATES, CallPlan, LayerPlanner
 from lrmoe.replicas import Replicas
-from lrmoe.selection import Selection, lrm_scores, select, squared_norms
+from lrmoe.selection import Selection, lrm_scores, select, select_in_strata, squared_norms
+from lrmoe.strata import Strata, plan_strata, strata_on
 from lrmoe.systems import PlacementKind, SystemSpec
 
 
@@ -207,14 +217,25 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
 
 
 def _select(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
-            wire: WireCounter) -> Selection:
-    """LRM scores of this rank's pairs and the kept set within the plan's quotas (collective)."""
-    ctx = call.ctx
+            wire: WireCounter) -> tuple[Selection, Strata | None, torch.Tensor | None]:
+    """LRM scores of this rank's pairs and the kept set within the plan's quotas. A local
+    selection draws in strata (lrmoe.strata) with no exchange and returns them and its kept
+    mask over the forward's send order; the others are collective (None, None)."""
+    ctx, plan = call.ctx, call.plan
     K = call.ids_TK.shape[1]
     g_sq_P = squared_norms(g_TD).repeat_interleave(K)
     scores_P = lrm_scores(weights_TK.reshape(-1), g_sq_P, h_sq_P)
-    return select(scores_P, call.ids_TK.reshape(-1), call.plan.counts_SE, call.plan.quota_E, ctx.backward,
-                  ctx.group, wire, *call.generators())
+    own, shared = call.generators()
+    if not ctx.backward.local:
+        return select(scores_P, call.ids_TK.reshape(-1), plan.counts_SE, plan.quota_E, ctx.backward, ctx.group,
+                      wire, own, shared), None, None
+    strata = strata_on(plan_strata(plan.assignment, plan.placement, plan.counts_SE, plan.quota_E, ctx.rank),
+                       scores_P.device)
+    send_N = call.rows.pair_idx  # every pair: a selective forward drops none
+    keep_N, scale_N, nonfinite = select_in_strata(scores_P[send_N], strata.group_N, strata.share_G, ctx.backward, own)
+    keep_P = torch.zeros_like(scores_P, dtype=torch.bool).index_put_((send_N,), keep_N)
+    scale_P = None if scale_N is None else torch.zeros_like(scores_P).index_put_((send_N,), scale_N)
+    return Selection(keep_P, strata.plan.kept_SE, plan.quota_E, scale_P, nonfinite), strata, keep_N
 
 
 def _gather_kept(saved: dict, kept_rows: torch.Tensor | None, meter: MemoryMeter) -> None:
@@ -265,14 +286,17 @@ def routed_backward(
     # times 0 for pairs the masked ablation drops.
     factor_P = weights_TK.reshape(-1)
     rows, scale_P = call.rows, None
+    kept_rows = kept_pos_N = None  # keep-x: kept rows among the saved ones; their positions sent with dy
     if spec.selective:
-        sel = _select(call, g_TD, weights_TK, h_sq_P, wire)
+        sel, strata, keep_N = _select(call, g_TD, weights_TK, h_sq_P, wire)
         scale_P = sel.scale_P
         if sel.scale_P is not None:
             factor_P = factor_P * sel.scale_P.to(factor_P.dtype)
         if spec.compacts and "rows_RD" in saved:  # kept pairs computed where their x was kept
-            rows, kept_rows = restrict_to_kept(rows, sel.keep_P, ctx.group, wire)
-            _gather_kept(saved, kept_rows, meter)
+            if strata is not None:  # kept positions ride with dy
+                rows, kept_pos_N = kept_plan(call.rows, strata, keep_N, plan.placement, ctx.rank)
+            else:  # the expert sides are told which rows are kept (collective)
+                rows, kept_rows = restrict_to_kept(rows, sel.keep_P, ctx.group, wire)
         elif spec.compacts:
             assignment = ctx.planner.assign(sel.kept_SE, plan.placement, plan.kept_capacity_R)
             rows = build_row_plan(ids_P, assignment, plan.placement, ctx.rank, keep_P=sel.keep_P)
@@ -289,7 +313,12 @@ def routed_backward(
     x_ND = x_TD[tok_N] if "rows_RD" not in saved else None
     select_ms = (time.perf_counter() - t_select) * 1e3
 
-    dy_RD = to_experts(dy_ND, rows, ctx.group, wire, meter)
+    if kept_pos_N is None:
+        dy_RD = to_experts(dy_ND, rows, ctx.group, wire, meter)
+    else:
+        dy_RD, kept_rows = to_kept_experts(dy_ND, kept_pos_N, rows, call.rows, ctx.group, wire, meter)
+    if "rows_RD" in saved:
+        _gather_kept(saved, kept_rows, meter)
     rows_RD = saved.pop("rows_RD") if x_ND is None else to_experts(x_ND, rows, ctx.group, wire, meter)
     del dy_ND, x_ND
     acts = saved.pop("acts", None)

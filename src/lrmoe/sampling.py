@@ -37,7 +37,12 @@ def position_in_block(sorted_groups: torch.Tensor, sizes_G: torch.Tensor) -> tor
     return torch.arange(sorted_groups.numel(), device=sorted_groups.device) - starts[sorted_groups]
 
 
-def _segment_cumsum(x: torch.Tensor, groups: torch.Tensor, sizes_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def group_sizes(groups_P: torch.Tensor, G: int) -> torch.Tensor:
+    """Members of each of G groups (``bincount`` without its device→host read of the maximum)."""
+    return torch.zeros(G, dtype=torch.long, device=groups_P.device).index_add_(0, groups_P, torch.ones_like(groups_P))
+
+
+def segment_cumsum(x: torch.Tensor, groups: torch.Tensor, sizes_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inclusive and exclusive cumulative sums inside each block of a block-sorted vector
     (``groups``: each element's block, ascending)."""
     total = x.cumsum(0)
@@ -55,13 +60,13 @@ def inclusion_probabilities(score_P: torch.Tensor, groups_P: torch.Tensor, quota
     s_all = score_P.to(torch.float64)
     order = order_by_group_then_key(groups_P, s_all)
     g, s = groups_P[order], s_all[order]
-    n_G = torch.bincount(groups_P, minlength=G)
+    n_G = group_sizes(groups_P, G)
     pos = position_in_block(g, n_G)
     q_G = torch.minimum(quota_G.to(n_G.device), n_G).to(torch.float64)
     q, n = q_G[g], n_G[g].to(torch.float64)
     # tail sums T_m = Σ_{i ≥ m} s_i inside each block; pair m is capped iff m < q and
     # s_m·(q − m) ≥ T_m, a prefix of the block (the condition only weakens as m grows)
-    incl, excl = _segment_cumsum(s, g, n_G)
+    incl, excl = segment_cumsum(s, g, n_G)
     block_total = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, s)
     tail = block_total[g] - excl
     capped = (pos < q) & (s * (q - pos) >= tail) & (tail > 0)
@@ -75,7 +80,28 @@ def inclusion_probabilities(score_P: torch.Tensor, groups_P: torch.Tensor, quota
     pi = torch.where(capped, torch.ones_like(s), by_score).clamp(max=1.0)
     lam = (floor * n / q.clamp(min=1)).clamp(max=1.0)
     pi = (1 - lam) * pi + lam * q / n.clamp(min=1)
-    return order, torch.where(q > 0, pi, torch.zeros_like(pi)), n_G
+    pi = _sum_to_quota(torch.where(q > 0, pi, torch.zeros_like(pi)), g, q_G)
+    return order, torch.where(q >= n, torch.ones_like(pi), pi), n_G  # a group kept whole: π = 1 exactly
+
+
+def _sum_to_quota(pi: torch.Tensor, g: torch.Tensor, q_G: torch.Tensor) -> torch.Tensor:
+    """π with each group's sum exactly its quota, every π still in [0, 1].
+
+    In exact arithmetic the capped π above already sum to q. In floats they may not: the tail
+    sums come from one cumulative sum over every group, so a tail of scores many orders of
+    magnitude below the ones before it is lost in rounding, a pair that should be capped is not,
+    and its group sums short of q (at q = n, some pair gets π < 1). The systematic sample would
+    then keep fewer than q — and a local selection's split sizes rely on exactly q. A deficit is
+    handed to each pair in proportion to its room 1 − π (never past 1: the rooms sum to
+    n − Σπ ≥ q − Σπ); an excess scales the group down. Any π in [0, 1] summing to q is an exact
+    inclusion probability of the sample drawn with it, so the 1/π weights stay unbiased."""
+    G = q_G.numel()
+    total_G = torch.zeros(G, dtype=pi.dtype, device=pi.device).index_add_(0, g, pi)
+    room_G = torch.zeros_like(total_G).index_add_(0, g, 1 - pi)
+    deficit = (q_G - total_G)[g]
+    topped = pi + deficit.clamp(min=0) * (1 - pi) / room_G[g].clamp(min=1e-300)
+    scaled = pi * (q_G / total_G.clamp(min=1e-300))[g]
+    return torch.where(deficit > 0, topped, scaled).clamp(0.0, 1.0)
 
 
 def systematic_sample(order: torch.Tensor, pi_sorted: torch.Tensor, groups_P: torch.Tensor, sizes_G: torch.Tensor,
@@ -87,7 +113,7 @@ def systematic_sample(order: torch.Tensor, pi_sorted: torch.Tensor, groups_P: to
     total_G = torch.zeros_like(q_G).index_add_(0, g, pi_sorted)
     # rescale each block's line to length exactly q (float rounding of Σ π), so the q points fit
     scaled = pi_sorted * torch.where(total_G > 0, q_G / total_G.clamp(min=1e-300), torch.zeros_like(q_G))[g]
-    incl, excl = _segment_cumsum(scaled, g, sizes_G)
+    incl, excl = segment_cumsum(scaled, g, sizes_G)
     u = (u_G.to(q_G) * (1 - 2 * _EDGE) + _EDGE)[g]
     hits = torch.ceil(incl - u) - torch.ceil(excl - u)  # points in (excl, incl] shifted by u
     keep = torch.zeros(order.numel(), dtype=torch.bool, device=order.device)

@@ -7,10 +7,13 @@ down-projection weight gradient. That contribution is the outer product (w_te·g
 
 and no gradient matrix is formed. Scores are float64: finite fp32/bf16 inputs cannot overflow.
 
-Selection order (identical on every rank): higher score first; equal scores by lower (rank,
-token, k slot). Non-finite scores rank above every finite one and count toward the quota; if
-they alone exceed it, all of them are kept (the quota grows) and ``nonfinite`` is reported —
-a broken gradient is never hidden by dropping it.
+Selection order of the global selections (identical on every rank): higher score first; equal
+scores by lower (rank, token, k slot). Non-finite scores rank above every finite one and count
+toward the quota; if they alone exceed it, all of them are kept (the quota grows) and
+``nonfinite`` is reported — a broken gradient is never hidden by dropping it. The local
+selections keep exactly their shares (nothing is exchanged that could grow them): non-finite
+pairs first, ``nonfinite`` reported where they exceed a share, the gradient still non-finite
+(the router gradient is exact for every pair; see :func:`select_in_strata`).
 
 Exact global top-q_e exchanges scalars, never rows: each rank sends, per expert, only its own
 best ``min(q_e, c_{e,r})`` scores (no rank can contribute more to a global top-q_e), sorted in
@@ -22,7 +25,9 @@ Selections (``BackwardConfig.selection``): ``lrm`` the exact global top-q_e abov
 q_e by its own scores; ``sampled`` an unbiased fixed-size sample of exactly q_e pairs across
 ranks with π ∝ score, contributions weighted by 1/π (all scores exchanged); ``local-sampled``
 the same drawn per source rank from its largest-remainder share — unbiased, exactly q_e, and
-no score exchange (lrmoe.sampling).
+no exchange at all (lrmoe.sampling). The two local ones draw in strata, each source's share
+split once more over the ranks that computed its pairs in the forward (lrmoe.strata), so every
+kept count is known from the plan before any row moves.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 from lrmoe import comm
 from lrmoe.comm import Group, WireCounter
 from lrmoe.config import BackwardConfig
-from lrmoe.sampling import order_by_group_then_key, position_in_block, sample
+from lrmoe.sampling import group_sizes, order_by_group_then_key, position_in_block, sample, segment_cumsum
 
 
 def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -48,13 +53,27 @@ def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def squared_norms(x_RD: torch.Tensor) -> torch.Tensor:
-    """‖x_r‖² per row in float64. One fp32 pass; rows whose fp32 norm overflowed are redone in
-    float64, so finite inputs always give finite results."""
+    """‖x_r‖² per row in float64, finite for finite inputs. On the CPU one fp32 pass, with the
+    rows whose fp32 norm overflowed redone in float64; on CUDA that check would be a
+    device→host read, so :func:`scaled_squared_norms` instead."""
+    if x_RD.is_cuda:
+        return scaled_squared_norms(x_RD)
     sq = torch.linalg.vector_norm(x_RD, dim=-1).to(torch.float64).square()
     bad = ~torch.isfinite(sq)
     if bad.any():
         sq[bad] = x_RD[bad].to(torch.float64).square().sum(-1)
     return sq
+
+
+def scaled_squared_norms(x_RD: torch.Tensor) -> torch.Tensor:
+    """‖x_r‖² per row in float64 with nothing read back: each row is first scaled by the power
+    of two (exact) that brings its largest entry into [1, 2), so the fp32 pass cannot overflow."""
+    peak = x_RD.abs().amax(-1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(-torch.floor(torch.log2(peak)))
+    low_range = x_RD.dtype not in (torch.bfloat16, torch.float32, torch.float64)  # fp16: 2^±126 overflows it
+    work = x_RD.float() if low_range else x_RD
+    norm = torch.linalg.vector_norm(work * scale.to(work.dtype), dim=-1, dtype=torch.float32)
+    return (norm.to(torch.float64) / scale.squeeze(-1).to(torch.float64)).square()
 
 
 def lrm_scores(weights_P: torch.Tensor, g_sq_P: torch.Tensor, h_sq_P: torch.Tensor) -> torch.Tensor:
@@ -98,10 +117,14 @@ def select(
     generator: torch.Generator | None = None,
     shared_generator: torch.Generator | None = None,
 ) -> Selection:
-    """Choose the kept pairs of this rank for the backward (collective over ``group``).
+    """Choose the kept pairs of this rank for the backward with a global selection (``lrm``,
+    ``random``, ``sampled``; collective over ``group``); the local ones draw in strata,
+    :func:`select_in_strata`.
 
     ``generator`` draws this rank's random numbers; ``shared_generator`` those every rank must
     draw alike (the offsets of a global sample): seeded the same on every rank."""
+    if cfg.local:
+        raise ValueError(f"select: selection {cfg.selection!r} is local: use select_in_strata")
     W, E = counts_SE.shape
     me = comm.rank_of(group)
     device = scores_P.device
@@ -115,8 +138,6 @@ def select(
     if cfg.selection == "sampled":
         return _sampled_global(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, group, wire,
                                shared_generator, nonfinite)
-    if cfg.selection == "local-sampled":
-        return _sampled_local(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, me, generator, nonfinite)
 
     if cfg.selection == "random":
         key_P = torch.rand(scores_P.shape, generator=generator, dtype=torch.float64).to(device)
@@ -127,10 +148,7 @@ def select(
     counts_E_mine = counts_SE[me]
     pos = position_in_block(ids_P[order], counts_E_mine.to(device))
 
-    if cfg.selection == "local":
-        # Non-finite pairs first, then the rest of q_e apportioned by finite local counts.
-        kept_SE = largest_remainder(quota_E - nf_E, counts_SE - nf_SE) + nf_SE
-    elif W == 1:  # the local top-q_e is the global one
+    if W == 1:  # the local top-q_e is the global one
         kept_SE = quota_E.view(1, E).clone()
     else:  # exact global top-q_e by merging every rank's candidates
         cand_SE = torch.minimum(quota_E.unsqueeze(0), counts_SE)
@@ -149,27 +167,49 @@ def select(
     return Selection(keep_P, kept_SE, quota_E, None, nonfinite)
 
 
+def select_in_strata(scores_N: torch.Tensor, group_N: torch.Tensor, share_G: torch.Tensor, cfg: BackwardConfig,
+                     generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A local selection (``cfg.local``) of this rank's pairs, kept exactly ``share_G[g]`` in
+    each stratum g (``group_N``: each pair's stratum, ascending; lrmoe.strata). No exchange and
+    no device→host read: the shares are fixed by the counts, so every rank already knows how
+    many rows each stratum sends.
+
+    ``local-sampled`` draws each stratum's share with π ∝ score^power (weights 1/π: unbiased
+    for the stratum's sum, hence for the expert's); ``local`` keeps each stratum's top share by
+    score. Non-finite scores go first, in pair order; where they alone exceed a share, the
+    share is kept and ``nonfinite`` (a 0-dim bool tensor, read when the stats are) is set. The
+    broken gradient stays visible: a non-finite score means a non-finite routing weight, g or h,
+    and the router gradient, exact for every pair, carries it.
+
+    Returns (keep_N, scale_N: 1/π of kept pairs, 0 elsewhere, or None for ``local``, nonfinite).
+    """
+    G = share_G.numel()
+    finite = torch.isfinite(scores_N)
+    bad = (~finite).long()
+    nf_G = torch.zeros(G, dtype=torch.long, device=scores_N.device).index_add_(0, group_N, bad)
+    nf_rank, _ = segment_cumsum(bad, group_N, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite pairs
+    keep_nf = ~finite & (nf_rank <= share_G[group_N])
+    rest_G = torch.cat([(share_G - nf_G).clamp(min=0), share_G.new_zeros(1)])  # stratum G: the non-finite pairs
+    rest_group = torch.where(finite, group_N, G)
+    key_N = torch.where(finite, scores_N, torch.zeros_like(scores_N))
+    if cfg.selection == "local-sampled":
+        u_G = comm.to_device(torch.rand(G + 1, generator=generator, dtype=torch.float64), scores_N.device)
+        keep_f, pi_N = sample(key_N.pow(cfg.score_power), rest_group, rest_G, u_G, cfg.p_min)
+        scale = torch.where(keep_f, 1.0 / pi_N.clamp(min=1e-300), keep_nf.to(pi_N.dtype))
+    else:  # local: each stratum's top share by score, ties by pair order
+        order = order_by_group_then_key(rest_group, key_N)
+        pos = position_in_block(rest_group[order], group_sizes(rest_group, G + 1))
+        keep_f = torch.zeros_like(finite)
+        keep_f[order] = pos < rest_G[rest_group[order]]
+        scale = None
+    return keep_f | keep_nf, scale, (nf_G > share_G).any()
+
+
 def _weighted(keep_P: torch.Tensor, pi_P: torch.Tensor, finite_P: torch.Tensor) -> torch.Tensor:
     """Horvitz–Thompson factors: 1/π for kept sampled pairs, 1 for non-finite ones (always kept)."""
     scale = torch.where(keep_P, 1.0 / pi_P.clamp(min=1e-300), torch.zeros_like(pi_P))
     return torch.where(finite_P, scale, torch.ones_like(scale))
-
-
-def _sampled_local(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, me, generator, nonfinite):
-    """Unbiased fixed-size sample with no score exchange: each expert's quota (less its
-    non-finite pairs, always kept) is split over source ranks in proportion to their finite
-    pairs (largest remainder), and each rank draws its exact share from its own pairs with
-    π ∝ score (lrmoe.sampling). Each rank's draw is unbiased for its own pairs' sum, so the
-    sum over ranks is unbiased for the expert's; exactly q_e are kept."""
-    E = counts_SE.shape[1]
-    device = scores_P.device
-    share_SE = largest_remainder(quota_E - nf_SE.sum(0), counts_SE - nf_SE)
-    u_E = torch.rand(E, generator=generator, dtype=torch.float64).to(device)
-    fin = finite_P.nonzero().squeeze(1)
-    keep_f, pi_f = sample(scores_P[fin].pow(cfg.score_power), ids_P[fin], share_SE[me].to(device), u_E, cfg.p_min)
-    keep_P, pi_P = ~finite_P, torch.ones_like(scores_P, dtype=torch.float64)
-    keep_P[fin], pi_P[fin] = keep_f, pi_f
-    return Selection(keep_P, share_SE + nf_SE, quota_E, _weighted(keep_P, pi_P, finite_P), nonfinite)
 
 
 def _sampled_global(scores_P, finite_P, ids_P, counts_SE, quota_E, nf_SE, cfg, group, wire, shared_generator,

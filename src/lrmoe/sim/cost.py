@@ -20,13 +20,14 @@ the CPU calibration (where the rates are fitted by least squares):
   the larger of its intra-node bytes / ``intra_bw`` and its inter-node bytes / ``inter_bw``
   (links in parallel), sent or received, whichever is more; the collective takes its slowest
   rank. Exchanges: forward rows out and back (+ ‖h‖² for the selective systems), backward dy
-  and dx (+ x where a compacting backward kept nothing, ``call.resends_x``; + one byte per
-  forward row where it kept x, saying which rows are kept), the selection's exchange (a
-  selective backward all-gathers its non-finite counts, E int64 per rank; then ``lrm`` and
-  ``random`` all-gather their candidates' keys, ``sampled`` every score, ``local`` and
-  ``local-sampled`` nothing: :data:`lrmoe.sim.plan.SCORE_EXCHANGE`; capacity's score exchange
-  in the forward), replica refresh (owner → holder, every step) and replica-gradient reduction
-  (holder → owner);
+  and dx (+ x where a compacting backward kept nothing, ``call.resends_x``; where it kept x, a
+  local selection's dy rows carry their 4-byte positions, ``call.positions``, and a global
+  selection first sends one byte per forward row saying which rows are kept), the selection's
+  exchange (``local`` and ``local-sampled`` none at all, lrmoe.strata; the global selections
+  all-gather their non-finite counts, E int64 per rank, then ``lrm`` and ``random`` their
+  candidates' keys, ``sampled`` every score: :data:`lrmoe.sim.plan.SCORE_EXCHANGE`; capacity's
+  score exchange in the forward), replica refresh (owner → holder, every step) and
+  replica-gradient reduction (holder → owner);
 - selection: scored pairs × ``select_pair_s`` (0 on GPU, where the sort passes above stand for
   it; fitted on CPU, where scoring and exact top-q run as many small ops);
 - host time: the library's planner calls in this call times their recorded benchmark cost
@@ -48,6 +49,7 @@ from lrmoe.sim.plan import LayerCall
 from lrmoe.systems import spec_of
 
 SCORE_BYTES = 8  # float64 LRM scores / routing probabilities exchanged for a global selection
+POSITION_BYTES = 4  # a local selection's kept dy row carries its place among the forward's rows (int32)
 SORT_PASSES = 16  # selection sorts the pairs' 8-byte keys: counted as this many passes over them
 # Kernel launches per call: forward (gate, up, silu·mul, down, ‖h‖²), backward (recompute 3,
 # dW_down, dh, 2 elementwise, dW_gate, dW_up, dx 2).
@@ -131,10 +133,11 @@ def exchanges(call: LayerCall, spec: ModelSpec, s: int) -> list[tuple[str, np.nd
     out = [("fwd_a2a", np.full((W, W), spec.num_experts * 8)),  # per-expert count all-gather
            ("fwd_a2a", call.fwd_SR * row),
            ("fwd_a2a", call.fwd_SR.T * (row + (H_SQ_BYTES if system.selective else 0))),  # y (+ ‖h‖²)
-           ("bwd_a2a", call.bwd_SR * row), ("bwd_a2a", call.bwd_SR.T * row)]
+           ("bwd_a2a", call.bwd_SR * (row + (POSITION_BYTES if call.positions else 0))),  # dy (+ kept positions)
+           ("bwd_a2a", call.bwd_SR.T * row)]
     if call.resends_x:
         out.append(("bwd_a2a", call.bwd_SR * row))  # x of the kept pairs, re-sent
-    elif call.keep is not None:
+    elif call.keep is not None and not call.positions:
         out.append(("bwd_a2a", call.fwd_SR))  # one byte per forward row: which rows are kept
     if call.count_gather:
         out.append(("select", np.full((W, W), spec.num_experts * 8)))  # non-finite counts, all-gathered

@@ -8,7 +8,8 @@ each rank receives, keeps and computes. Nothing of the planning is re-implemente
 the split of kept pairs over source ranks is assumed (largest remainder, which is exact for the
 ``local`` and ``local-sampled`` selections and the expected split for the others), and, where
 the expert side kept x, the split of each (expert, source)'s kept pairs over the ranks that
-computed them in the forward (in proportion: the expected split of a sample).
+computed them in the forward (:meth:`PairAssignment.restricted`: exact for the local
+selections, whose strata are that split, and the expected split of the others' samples).
 
 Each rank's tokens are assumed to follow the global routing distribution (counts split evenly
 over source ranks): the simulator has global counts only. Host planning time is the count of
@@ -24,8 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from lrmoe.assignment import PairAssignment
-from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
+from lrmoe.config import LOCAL_SELECTIONS, BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.meter import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.plan import LayerPlanner
 from lrmoe.selection import largest_remainder
@@ -35,9 +35,10 @@ from lrmoe.sim.memory import kept_between_passes
 from lrmoe.sim.trace import split_sources
 from lrmoe.systems import spec_of
 
-# What a selection exchanges besides the non-finite counts every selection all-gathers:
+# What a selection exchanges besides the non-finite counts every global selection all-gathers:
 # "candidates" (lrm, random: each rank's best min(q_e, c_e,r) keys per expert), "all" (sampled:
-# every finite score), nothing (local, local-sampled: each rank selects its own share).
+# every finite score), nothing (local, local-sampled: each rank draws its own strata, no
+# exchange at all, lrmoe.strata).
 SCORE_EXCHANGE = {"lrm": "candidates", "random": "candidates", "sampled": "all", "local": None,
                   "local-sampled": None}
 
@@ -66,7 +67,8 @@ class LayerCall:
     keep: str | None = None  # a compacting backward's keep mode (lrmoe.meter.KEEP_MODES)
     recomputes: bool = False  # the backward recomputes gate/up/h (no saved activations)
     resends_x: bool = False  # home re-sends x of the kept pairs (a compacting backward that kept nothing)
-    count_gather: bool = False  # the selection all-gathers its non-finite counts (every selective backward)
+    count_gather: bool = False  # the selection all-gathers its non-finite counts (the global selections)
+    positions: bool = False  # a keep-x local selection: each kept dy row carries its position (no mask)
     host_live_s: float = 0.0  # the same planning's wall time on this machine (diagnostic only)
     planner_calls: dict = field(default_factory=dict)  # benchmarked planner -> calls in this call
 
@@ -146,8 +148,11 @@ class SystemPlanner:
         bwd_SR = fwd_SR
         kept = int(plan.forward_SE.sum())
         keep = plan.keep if spec.compacts else None
+        local = spec.selective and self.selection in LOCAL_SELECTIONS
         if plan.quota_E is not None:
             kept = int(plan.quota_E.sum())
+            if local:  # the backward plans its strata on the host (lrmoe.strata.plan_strata)
+                calls.counts["strata"] += 1
             score_R = self._score_pairs(counts_SE, plan.quota_E)
             if spec.compacts:
                 kept_SE = largest_remainder(plan.quota_E, counts_SE)
@@ -157,7 +162,7 @@ class SystemPlanner:
                         bwd_SR = planner.assign(kept_SE, plan.placement, plan.kept_capacity_R).rows_SR().numpy()
                     live += time.perf_counter() - t0
                 else:  # computed where the forward computed them (the forward's plan restricted)
-                    bwd_SR = _restrict(plan.assignment, kept_SE)
+                    bwd_SR = plan.assignment.restricted(kept_SE).rows_SR().numpy()
 
         placement = plan.placement
         owned_R = np.array([len(planner.base.owned(r)) for r in range(W)])
@@ -182,7 +187,7 @@ class SystemPlanner:
             score_in_forward=spec.forward_drop, refresh_SR=refresh_SR, kept_pairs=kept, total_pairs=total,
             host_s=0.0, peak_R=peak_R, kept_bytes_R=kept_bytes_R, tokens_per_rank=tokens, keep=keep,
             recomputes=spec.recomputes and keep != KEEP_X_ACTS, resends_x=keep == KEEP_NOTHING,
-            count_gather=spec.selective,
+            count_gather=spec.selective and not local, positions=local and keep not in (None, KEEP_NOTHING),
         )
         t0 = time.perf_counter()
         with calls:
@@ -199,18 +204,6 @@ class SystemPlanner:
         if how == "all":
             return counts_SE.sum(1).numpy()
         return np.zeros(counts_SE.shape[0], np.int64)
-
-
-def _restrict(assignment: PairAssignment, kept_SE: torch.Tensor) -> np.ndarray:
-    """(W, W) backward rows when each kept pair is computed where the forward computed it: the
-    kept pairs of (expert e, source s) split over the ranks that computed e's pairs from s, in
-    proportion (largest remainder)."""
-    W = kept_SE.shape[0]
-    out = np.zeros((W, W), np.int64)
-    for s in range(W):
-        rows_RE = assignment.sent_ER(s).t()  # ranks × experts: where source s's pairs were computed
-        out[s] = largest_remainder(kept_SE[s], rows_RE).sum(1).numpy()
-    return out
 
 
 __all__ = ["LayerCall", "SCORE_EXCHANGE", "SystemPlanner"]
