@@ -90,18 +90,39 @@ class PairAssignment:
         each computed from s — floors, then one more for the largest remainders (ties: the
         earlier entry, i.e. the lower rank). Integer arithmetic, so every rank derives the
         same split from the plan alone. ``kept_SE`` may not exceed the assigned pairs."""
-        kept_ES = np.ascontiguousarray(np.asarray(kept_SE, dtype=np.int64).T)
-        sizes_E = np.bincount(self.expert_H, minlength=self.num_experts)
-        share_HS = kept_ES[self.expert_H]  # an expert computed by one entry keeps all there
-        bad = kept_ES[sizes_E == 0].any() or (share_HS > self.rows_HS)[sizes_E[self.expert_H] == 1].any()
-        multi = np.flatnonzero(sizes_E > 1)
-        if len(multi):  # the entries of each such expert laid out as (entry, expert, source)
-            first = np.cumsum(sizes_E)[multi] - sizes_E[multi]
-            M = int(sizes_E[multi].max())
-            valid_MX = np.arange(M)[:, None] < sizes_E[multi]
-            h_MX = np.where(valid_MX, first + np.arange(M)[:, None], 0)
-            rows_MXS = self.rows_HS[h_MX] * valid_MX[:, :, None]
-            kept_XS = kept_ES[multi]
+        return PairAssignment(self.expert_H, self.rank_H, self.kept_rows(kept_SE)[1], self.num_experts)
+
+    def kept_rows(self, kept_SE: torch.Tensor | np.ndarray, experts: np.ndarray | None = None,
+                  sources: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`restricted` for the entries of ``experts`` (default all) from ``sources``
+        (default all): (those entries' indices, their kept rows (entries, sources)). A rank needs
+        only its own source's column and its own experts' entries: O(H + its entries · S)."""
+        if experts is None:
+            entries = np.arange(len(self.expert_H))
+        else:
+            wanted_E = np.zeros(self.num_experts, bool)
+            wanted_E[experts] = True
+            entries = np.flatnonzero(wanted_E[self.expert_H])
+        cols = np.arange(self.world) if sources is None else np.asarray(sources)
+        rows_NS = self.rows_HS[np.ix_(entries, cols)]
+        expert_N = self.expert_H[entries]
+        kept_NS = np.asarray(kept_SE, dtype=np.int64)[np.ix_(cols, expert_N)].T  # the entry's expert's total
+        starts = np.flatnonzero(np.r_[True, expert_N[1:] != expert_N[:-1]]) if len(entries) else np.zeros(0, int)
+        sizes = np.diff(np.r_[starts, len(entries)])
+        single = np.repeat(sizes == 1, sizes)
+        share_NS = kept_NS.copy()  # an expert computed by one entry keeps all there
+        bad = (share_NS > rows_NS)[single].any()
+        if experts is None:  # kept pairs of an expert nobody computes
+            computed_E = np.zeros(self.num_experts, bool)
+            computed_E[self.expert_H] = True
+            bad = bad or np.asarray(kept_SE)[:, ~computed_E].any()
+        multi = np.flatnonzero(sizes > 1)
+        if len(multi):  # each such expert's entries laid out as (entry, expert, source)
+            first, M = starts[multi], int(sizes[multi].max())
+            valid_MX = np.arange(M)[:, None] < sizes[multi]
+            n_MX = np.where(valid_MX, first + np.arange(M)[:, None], 0)
+            rows_MXS = rows_NS[n_MX] * valid_MX[:, :, None]
+            kept_XS = kept_NS[first]
             total_XS = rows_MXS.sum(0)
             bad = bad or (kept_XS > total_XS).any()
             floor_MXS, rem_MXS = np.divmod(kept_XS * rows_MXS, np.maximum(total_XS, 1))
@@ -111,7 +132,7 @@ class PairAssignment:
                 ahead = sum((rem_MXS[k] >= rem_MXS[j]) if k < j else (rem_MXS[k] > rem_MXS[j])
                             for k in range(M) if k != j)
                 floor_MXS[j] += ahead < missing_XS
-            share_HS[h_MX[valid_MX]] = floor_MXS[valid_MX]
+            share_NS[n_MX[valid_MX]] = floor_MXS[valid_MX]
         if bad:
             raise ValueError("restricted: more pairs kept than the assignment computes")
-        return PairAssignment(self.expert_H, self.rank_H, share_HS, self.num_experts)
+        return entries, share_NS

@@ -24,7 +24,7 @@ import torch
 from lrmoe import comm
 from lrmoe.assignment import PairAssignment
 from lrmoe.comm import Group, WireCounter
-from lrmoe.meter import MemoryMeter
+from lrmoe.meter import MemoryMeter, position_bytes
 from lrmoe.placement import Placement
 from lrmoe.strata import Strata, kept_positions
 
@@ -163,21 +163,19 @@ def to_home_with_norms(y_RD: torch.Tensor, h_sq_R: torch.Tensor, plan: RowPlan, 
 
 
 def position_dtype(rows: torch.Tensor) -> torch.dtype:
-    """Dtype of a row's position riding in its message: 4 bytes, 8 beside 8-byte rows."""
-    return torch.int64 if rows.element_size() == 8 else torch.int32
+    """Dtype of a row's position riding in its message (:func:`lrmoe.meter.position_bytes`)."""
+    return torch.int64 if position_bytes(rows.element_size()) == 8 else torch.int32
 
 
-def kept_plan(fwd: RowPlan, strata: Strata, keep_N: torch.Tensor, placement: Placement, rank: int
-              ) -> tuple[RowPlan, torch.Tensor]:
+def kept_plan(fwd: RowPlan, strata: Strata, keep_N: torch.Tensor) -> tuple[RowPlan, torch.Tensor]:
     """The backward plan of a local selection whose kept pairs are computed where the forward
     computed them: the forward's plan restricted to ``keep_N`` (over its send order), every
     split size known from the strata. Returns the plan and each kept pair's position inside its
     stratum (the row's place among the forward's rows from this rank to that slot)."""
-    kept = strata.plan.kept
     sel = kept_positions(keep_N, strata.plan.sent)
-    counts_SL = kept.received_SL(rank, placement.slots[rank])
-    plan = RowPlan(fwd.pair_idx[sel], kept.sent_ER(rank).sum(0).tolist(), counts_SL.sum(1).tolist(),
-                   _regroup(counts_SL), counts_SL.sum(0), counts_SL)
+    counts_SL = strata.plan.received_SL
+    plan = RowPlan(fwd.pair_idx[sel], strata.plan.send_R, counts_SL.sum(1).tolist(), _regroup(counts_SL),
+                   counts_SL.sum(0), counts_SL)
     pos = torch.arange(keep_N.numel(), device=keep_N.device) - strata.start_N
     return plan, pos[sel]
 

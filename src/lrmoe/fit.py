@@ -16,7 +16,7 @@ import torch
 from lrmoe import planners
 from lrmoe.assignment import PairAssignment
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.meter import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.meter import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak, position_bytes
 from lrmoe.placement import Placement
 from lrmoe.systems import Assignment, PlacementKind, Planner
 
@@ -68,8 +68,13 @@ class CapFitting:
         bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).tolist()
         chunk_R = chunk_rows_R or [None] * self.world
         network_R = self.controller.network_R if self.controller is not None else None
-        if network_R is not None and any(  # kept rows' dy in and dx out, one kept byte per forward row
-                2 * self.bytes.row * int(bwd_R[r]) + int(fwd_R[r]) > network_R[r] for r in range(self.world)):
+        # kept rows' dy in and dx out, plus a local selection's kept positions or a global one's
+        # kept byte per forward row
+        position = position_bytes(self.bytes.dtype_bytes) if self.backward.local else 0
+        mask = 0 if self.backward.local else 1
+        if network_R is not None and any(
+                (2 * self.bytes.row + position) * int(bwd_R[r]) + mask * int(fwd_R[r]) > network_R[r]
+                for r in range(self.world)):
             return KEEP_NOTHING  # only a re-spread of the kept pairs keeps every rank within its network
         for mode in KEEP_MODES[:-1]:
             if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):

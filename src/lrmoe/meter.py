@@ -31,6 +31,12 @@ KEEP_X = "x"  # the received x rows: only dy travels, to where the forward compu
 KEEP_X_ACTS = "x+acts"  # x and the activations: static's backward on the kept rows, no recompute
 KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
 H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
+
+
+def position_bytes(dtype_bytes: int) -> int:
+    """A local selection's kept dy row carries its place among the forward's rows: an int32
+    (int64 beside 8-byte rows), as extra columns of dy's message (lrmoe.dispatch)."""
+    return 8 if dtype_bytes == 8 else 4
 GIB = 1 << 30
 
 

@@ -294,7 +294,7 @@ def routed_backward(
             factor_P = factor_P * sel.scale_P.to(factor_P.dtype)
         if spec.compacts and "rows_RD" in saved:  # kept pairs computed where their x was kept
             if strata is not None:  # kept positions ride with dy
-                rows, kept_pos_N = kept_plan(call.rows, strata, keep_N, plan.placement, ctx.rank)
+                rows, kept_pos_N = kept_plan(call.rows, strata, keep_N)
             else:  # the expert sides are told which rows are kept (collective)
                 rows, kept_rows = restrict_to_kept(rows, sel.keep_P, ctx.group, wire)
         elif spec.compacts:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lrmoe import comm
@@ -92,18 +93,19 @@ class Selection:
 
 def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
     """Split total_E[e] over ranks in proportion to counts_SE[:, e]; floors, then the largest
-    remainders (ties: lower rank) get one more. Sums exactly to total_E."""
-    c = counts_SE.to(torch.float64)
-    exact = total_E.to(torch.float64) * c / c.sum(0).clamp(min=1)
-    share = torch.floor(exact + 1e-9).to(torch.long).clamp(max=counts_SE)
-    missing = total_E - share.sum(0)
-    rem = exact - share
-    rem = torch.where(share < counts_SE, rem, torch.full_like(rem, -1.0))  # full ranks get no more
-    W = counts_SE.shape[0]
-    order = torch.argsort(-rem, dim=0, stable=True)  # (W, E): ranks by remainder, ties lower rank
-    rank_pos = torch.empty_like(order)
-    rank_pos.scatter_(0, order, torch.arange(W).unsqueeze(1).expand_as(order))
-    return share + (rank_pos < missing.unsqueeze(0)).to(torch.long)
+    remainders (ties: lower rank) get one more. Sums exactly to total_E (capped at the counts'
+    sum). Integer arithmetic: within an expert the remainders share a denominator, so they
+    compare exactly and every rank derives the same split."""
+    c = np.asarray(counts_SE, dtype=np.int64)
+    sum_E = c.sum(0)
+    t_E = np.minimum(np.asarray(total_E, dtype=np.int64), sum_E)
+    share, rem = np.divmod(t_E * c, np.maximum(sum_E, 1))
+    W = c.shape[0]
+    key = rem * W + np.arange(W - 1, -1, -1)[:, None]  # distinct within a column: ties to the lower rank
+    order = np.argsort(-key, axis=0)  # (W, E): ranks by remainder
+    rank_pos = np.empty_like(order)
+    np.put_along_axis(rank_pos, order, np.broadcast_to(np.arange(W)[:, None], order.shape), axis=0)
+    return torch.from_numpy(share + (rank_pos < t_E - share.sum(0)))  # a rank with rem > 0 is below its count
 
 
 def select(

@@ -33,13 +33,14 @@ from lrmoe.selection import largest_remainder
 
 @dataclass(frozen=True)
 class StrataPlan:
-    """Every rank's kept counts for one backward, and this rank's strata (host; planned from
-    the counts alone, identically on every rank)."""
+    """The kept counts one rank needs for one backward (host; planned from the counts alone,
+    identically on every rank: each rank's figures are the others' view of it)."""
 
     kept_SE: torch.Tensor  # int64 (S, E): kept pairs per source and expert, Σ_s = q_e
-    kept: PairAssignment  # kept pairs of every (expert, holder) entry from every source
     sizes_G: np.ndarray  # int64 (G,): this rank's pairs in each stratum, in send order
     share_G: np.ndarray  # int64 (G,): pairs each of them keeps
+    send_R: list[int]  # kept pairs this rank sends each rank
+    received_SL: torch.Tensor  # int64 (S, L): kept pairs from source s for this rank's local slot l
 
     @property
     def sent(self) -> int:
@@ -59,12 +60,22 @@ class Strata:
 
 def plan_strata(assignment: PairAssignment, placement: Placement, counts_SE: torch.Tensor, quota_E: torch.Tensor,
                 rank: int) -> StrataPlan:
-    """The kept counts of a local selection under a forward ``assignment`` covering every pair."""
+    """The kept counts of a local selection under a forward ``assignment`` covering every pair:
+    of :meth:`PairAssignment.restricted`, only this rank's source column and its own experts'
+    entries are computed."""
     kept_SE = largest_remainder(quota_E, counts_SE)
-    kept = assignment.restricted(kept_SE)
+    _, sent_H = assignment.kept_rows(kept_SE, sources=[rank])
+    sent_H = sent_H[:, 0]
     slot_WE = placement.slot_index.numpy()
     order_H = np.lexsort((slot_WE[assignment.rank_H, assignment.expert_H], assignment.rank_H))  # send order
-    return StrataPlan(kept_SE, kept, assignment.rows_HS[order_H, rank], kept.rows_HS[order_H, rank])
+    send_R = np.bincount(assignment.rank_H, sent_H, minlength=assignment.world).astype(np.int64).tolist()
+    slots = placement.slots[rank]
+    entries, rows_NS = assignment.kept_rows(kept_SE, experts=np.asarray(slots))
+    here = assignment.rank_H[entries] == rank
+    received_SL = np.zeros((assignment.world, len(slots)), np.int64)
+    received_SL[:, slot_WE[rank, assignment.expert_H[entries[here]]]] = rows_NS[here].T
+    return StrataPlan(kept_SE, assignment.rows_HS[order_H, rank], sent_H[order_H], send_R,
+                      torch.from_numpy(received_SL))
 
 
 def strata_on(plan: StrataPlan, device: torch.device) -> Strata:

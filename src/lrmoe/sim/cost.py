@@ -42,14 +42,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from lrmoe.meter import H_SQ_BYTES, expert_param_bytes
+from lrmoe.meter import H_SQ_BYTES, expert_param_bytes, position_bytes
 from lrmoe.sim.hardware import Hardware
 from lrmoe.sim.models import ModelSpec
 from lrmoe.sim.plan import LayerCall
 from lrmoe.systems import spec_of
 
 SCORE_BYTES = 8  # float64 LRM scores / routing probabilities exchanged for a global selection
-POSITION_BYTES = 4  # a local selection's kept dy row carries its place among the forward's rows (int32)
 SORT_PASSES = 16  # selection sorts the pairs' 8-byte keys: counted as this many passes over them
 # Kernel launches per call: forward (gate, up, silu·mul, down, ‖h‖²), backward (recompute 3,
 # dW_down, dh, 2 elementwise, dW_gate, dW_up, dx 2).
@@ -133,7 +132,7 @@ def exchanges(call: LayerCall, spec: ModelSpec, s: int) -> list[tuple[str, np.nd
     out = [("fwd_a2a", np.full((W, W), spec.num_experts * 8)),  # per-expert count all-gather
            ("fwd_a2a", call.fwd_SR * row),
            ("fwd_a2a", call.fwd_SR.T * (row + (H_SQ_BYTES if system.selective else 0))),  # y (+ ‖h‖²)
-           ("bwd_a2a", call.bwd_SR * (row + (POSITION_BYTES if call.positions else 0))),  # dy (+ kept positions)
+           ("bwd_a2a", call.bwd_SR * (row + (position_bytes(s) if call.positions else 0))),  # dy (+ kept positions)
            ("bwd_a2a", call.bwd_SR.T * row)]
     if call.resends_x:
         out.append(("bwd_a2a", call.bwd_SR * row))  # x of the kept pairs, re-sent
