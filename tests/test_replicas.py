@@ -388,6 +388,35 @@ def test_lrmoe_replicas_that_cost_kept_rows_are_not_taken():
         pass  # a replica slot does not even fit beside the forward's rows
 
 
+def test_lrmoe_replica_search_walks_from_the_last_choice(monkeypatch):
+    """A later search scores the last choice and its neighbours, walking on only while the best
+    is at the edge: under a steady load three plans, with the choice of a search over all."""
+    import copy
+
+    import lrmoe.plan
+
+    planner = _lrmoe_planner(50_000_000, 1e6)
+    planner.default_slots_R = [12, 12]  # room for more candidates: 0, 1, 2, 3, 4, 6, 8
+    hot = torch.tensor([[400, 200, 10, 10, 10, 10, 10, 10]] * 2)
+    scored = []
+    real = lrmoe.plan.LayerPlanner._controller_forward
+    monkeypatch.setattr(lrmoe.plan.LayerPlanner, "_controller_forward",
+                        lambda self, *a: scored.append(1) or real(self, *a))
+    planner.plan_call(hot)
+    planner.step_end()
+    first = len(scored)
+    assert first >= 6, "the first search scores every candidate"
+    for _ in range(planner.search_interval - 1):
+        planner.plan_call(hot)
+        scored.clear()
+        everything = copy.deepcopy(planner)._controller_replicas(in_call=True)
+        scored.clear()
+        planner.step_end()
+    assert planner.steps == planner.search_interval
+    assert 3 <= len(scored) <= 4, len(scored)
+    assert planner.placement.slots == everything.slots, "the walk finds the full search's choice"
+
+
 def test_lrmoe_replica_count_is_searched_every_replan_interval():
     """The replicas follow the load every step; their number is searched every replan_interval
     steps (default 10): a hot expert that cools keeps its replicas until the next search."""

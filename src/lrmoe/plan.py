@@ -192,7 +192,9 @@ class LayerPlanner(CapFitting):
         a tight cap replicas are taken only where the imbalance they remove is worth more.
         Before any call: owned experts only. The search runs every ``replan_interval`` steps (and
         when a call's forward does not fit); in between, the replicas follow the load with the
-        number it chose."""
+        number it chose. The first search, and one inside a call, scores every candidate; later
+        ones start at the last choice and its neighbours and walk on while the best lies at the
+        edge of those scored (three plans under a steady load instead of 10–15)."""
         if self._last_SE is None:
             return self.base
         owned_R = [len(self.base.owned(r)) for r in range(self.world)]
@@ -203,27 +205,57 @@ class LayerPlanner(CapFitting):
                 if k else self.base
         counts_SE, counts_E = self._last_SE, self._last_SE.sum(0)
         row_s, byte_s = self.costs.row_s, self.costs.byte_s
-        scored = []
-        for k in replica_candidates(max(extra_R)):
+
+        def score(k: int) -> tuple | None:
+            """(kept pairs, predicted time, replicas, placement, k), or None where the forward does not fit."""
             slots_R = [o + min(k, x) for o, x in zip(owned_R, extra_R)]
             placement = plan_replicas(self.base, self.load_E, slots_R) if k else self.base
             try:
                 assignment, _ = self._controller_forward(counts_SE, placement, self.assign(counts_SE, placement))
                 quota_E = self.controller.quotas(counts_E, placement)
             except MemoryBudgetExceeded:
-                continue
+                return None
             rows_ER = assignment.rows_ER()
             fwd, bwd = rows_ER.sum(0).max(), torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).max()
             replicas = placement.num_copies - self.config.num_experts
             time = (int(fwd) + 2 * int(bwd)) * row_s / 3 + replicas * 2 * self.bytes.slot_params * byte_s
-            scored.append((int(quota_E.sum()), time, replicas, placement, k))
-            if replicas == 0 and k:
-                break  # no slot beyond the owned ones: larger k plans the same
+            return int(quota_E.sum()), time, replicas, placement, k
+
+        def best(scored: list[tuple]) -> tuple:
+            most = max(kept for kept, *_ in scored)
+            return min((s for s in scored if s[0] >= 0.99 * most), key=lambda s: (s[1], s[2]))
+
+        candidates = replica_candidates(max(extra_R))
+        if self._replica_k in candidates and not in_call:
+            # from the last choice, walk while the best plan lies at the edge of the ones scored
+            # (the cost is one-humped in k: a steady load costs three plans, not every candidate)
+            at = candidates.index(self._replica_k)
+            lo, hi = max(at - 1, 0), min(at + 1, len(candidates) - 1)
+            tried = {k: score(k) for k in candidates[lo:hi + 1]}
+            while any(tried.values()):
+                win = best([t for t in tried.values() if t])
+                if win[4] == candidates[lo] and lo > 0:
+                    lo -= 1
+                    k = candidates[lo]
+                elif win[4] == candidates[hi] and hi + 1 < len(candidates) and (win[2] or not win[4]):
+                    hi += 1  # (a k > 0 with no slot beyond the owned ones: larger k plans the same)
+                    k = candidates[hi]
+                else:
+                    break
+                tried[k] = score(k)
+            scored = [t for t in tried.values() if t]
+        else:  # every candidate: the first search, and a call whose forward did not fit
+            scored = []
+            for k in candidates:
+                t = score(k)
+                if t is not None:
+                    scored.append(t)
+                    if t[2] == 0 and k:
+                        break  # no slot beyond the owned ones: larger k plans the same
         if not scored:
             self._replica_k = 0
             return self.base
-        most = max(kept for kept, *_ in scored)
-        *_, placement, self._replica_k = min((s for s in scored if s[0] >= 0.99 * most), key=lambda s: (s[1], s[2]))
+        *_, placement, self._replica_k = best(scored)
         return placement
 
     def _adopt(self, placement: Placement) -> None:
