@@ -3,14 +3,24 @@ import os
 import pytest
 import torch
 
+from tests.pool import SharedPool
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
+# One pool of gloo ranks of each size for the whole session (tests/pool.py), started at the
+# first case that needs it: 4 ranks (world sizes 2 and 3 on its subgroups) and 2 ranks for
+# cases that build process groups of their own (dist.new_group needs every rank of the pool).
+@pytest.fixture(scope="session")
 def pool():
-    from tests.pool import RankPool
+    p = SharedPool(4)
+    yield p
+    p.close()
 
-    p = RankPool(4)
+
+@pytest.fixture(scope="session")
+def pool2():
+    p = SharedPool(2)
     yield p
     p.close()

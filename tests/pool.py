@@ -51,6 +51,11 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         except BaseException:  # noqa: BLE001 - the traceback goes back to the test
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown (seconds with torch loaded, four processes on
+    # two cores); what this rank still had to say is flushed first.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 class RankPool:
@@ -89,9 +94,36 @@ class RankPool:
         return out
 
     def close(self) -> None:
+        if self.broken:  # its ranks may wait in a collective that never completes
+            for p in self.procs:
+                p.kill()
         for q in self.tasks:
             q.put(None)
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+class SharedPool:
+    """One :class:`RankPool` for every module that asks for it (starting ranks costs seconds); a
+    pool an earlier case broke is replaced before the next case, so one failure stays one."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._pool: RankPool | None = None
+
+    def run(self, size: int, fn, *args, timeout: float = 90.0) -> list:
+        if size == 1:
+            return [fn(None, *args)]
+        if self._pool is not None and self._pool.broken:
+            self._pool.close()
+            self._pool = None
+        if self._pool is None:
+            self._pool = RankPool(self.world)
+        return self._pool.run(size, fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

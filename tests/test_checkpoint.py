@@ -21,29 +21,13 @@ from lrmoe.train.data import Batches, TokenData
 from lrmoe.train.groups import Groups, reduce_gradients
 from lrmoe.train.loop import TrainStream, train
 from lrmoe.train.state import TrainState
-from tests.test_train import _cli, _config_file, losses, records, tiny, train_case
+from tests.test_train import _config_file, _main, records, tiny, train_case
 
 VOCAB = 64
 
 
 # A case that builds process groups runs on a pool of exactly its world size: dist.new_group needs
-# every process of the pool's default group.
-@pytest.fixture(scope="module")
-def pool2():
-    from tests.pool import RankPool
-
-    p = RankPool(2)
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    from tests.pool import RankPool
-
-    p = RankPool(4)
-    yield p
-    p.close()
+# every process of the pool's default group (conftest.py: ``pool2`` has 2 ranks, ``pool`` 4).
 
 
 def _run(pools: dict, size: int, fn, *args):
@@ -118,12 +102,12 @@ def load_case(group, kw: dict, out: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("system,experts", [("static", 6), ("laer", 4), ("symi", 4)])
-def test_resharded_state_equals_the_full_state(pool2, pool4, tmp_path, system, experts):
+def test_resharded_state_equals_the_full_state(pool2, pool, tmp_path, system, experts):
     """Written by 2 ranks (one expert-parallel group), read by 1 rank, by 4 ranks in one group
     (6 experts: 2, 2, 1, 1 each) and by 4 ranks in two groups of 2: every parameter, every
     expert's Adam moments and the layers' load statistics equal the writer's full state."""
     kw = {"system": system, "moe": {"num_experts": experts}, "nproc": 2}
-    pools = {2: pool2, 4: pool4}
+    pools = {2: pool2, 4: pool}
     written = pool2.run(2, save_case, kw, str(tmp_path))[0]
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step_0000002").iterdir()) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
@@ -138,7 +122,7 @@ def test_resharded_state_equals_the_full_state(pool2, pool4, tmp_path, system, e
 # ------------------------------------------------------------------- a run resumed at another world size
 
 
-def test_resume_at_another_world_size_continues(pool2, pool4, tmp_path):
+def test_resume_at_another_world_size_continues(pool2, pool, tmp_path):
     """8 steps at 2 ranks, against 4 at 2 ranks and 4 more at 1 rank (the same global batch:
     the losses match to rounding) or at 4 ranks in two data-parallel groups (twice the batch,
     the windows that follow): the step count, the learning rate and the data continue."""
@@ -148,7 +132,7 @@ def test_resume_at_another_world_size_continues(pool2, pool4, tmp_path):
     for size, ep in ((1, 0), (4, 2)):
         out = tmp_path / f"to{size}"
         pool2.run(2, train_case, kw, str(out), False, 4)
-        _run({4: pool4}, size, train_case, {**kw, "nproc": size, "ep_size": ep}, str(out), True)
+        _run({4: pool}, size, train_case, {**kw, "nproc": size, "ep_size": ep}, str(out), True)
         rows = records(out)
         assert [r["step"] for r in rows] == list(range(1, 9)), size
         assert [r["lr"] for r in rows] == [r["lr"] for r in straight], "the schedule continues"
@@ -219,25 +203,9 @@ def test_unusable_checkpoints_are_one_line_errors(tmp_path):
     assert str(e.value).count("\n") == 0
 
 
-def test_cli_resume_at_another_nproc(tmp_path):
-    """The user's path: 3 steps at --nproc 2, 5 at --nproc 1 --resume; then an old-format
-    checkpoint is a one-line error with exit 2."""
-    from tests.test_cli import one_line_error
-
-    cfg = str(_config_file(tmp_path, system="static", eval_every=100))
-    out = tmp_path / "run"
-    r = _cli("train", "--config", cfg, "--nproc", "2", "--steps", "3", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = _cli("train", "--config", cfg, "--nproc", "1", "--steps", "5", "--out", str(out), "--resume")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "trained 5 steps" in r.stdout and [x["step"] for x in records(out)] == [1, 2, 3, 4, 5]
-    assert len(losses(out)) == 5 and all(np.isfinite(losses(out)))
-    shutil.rmtree(out / "ckpt")
-    (out / "ckpt" / "step_0000005").mkdir(parents=True)
-    (out / "ckpt" / "step_0000005" / "rank_0.pt").write_bytes(b"old")
-    (out / "ckpt" / "latest").write_text("5")
-    assert "earlier lrmoe" in one_line_error(_cli("train", "--config", cfg, "--nproc", "1", "--steps", "6",
-                                                  "--out", str(out), "--resume"))
+# The user's path, ``lrmoe train --nproc 2`` then ``--nproc 1 --resume``, and a checkpoint of an
+# earlier lrmoe as a one-line error with exit 2: tests/test_cli.py,
+# test_used_out_failed_resume_resume_and_overwrite.
 
 
 # ------------------------------------------------------------------- rendezvous and restarts
@@ -329,7 +297,7 @@ def test_cli_rendezvous_errors_are_one_line(tmp_path):
     from tests.test_cli import one_line_error
 
     cfg = str(_config_file(tmp_path))
-    assert "needs --node-rank" in one_line_error(_cli("train", "--config", cfg, "--nnodes", "2",
-                                                      "--rdzv-endpoint", "h:29400"))
-    assert "must divide --nproc=2" in one_line_error(_cli("compare", "--config", cfg, "--nnodes", "4",
-                                                          "--node-rank", "0", "--master-addr", "h"))
+    assert "needs --node-rank" in one_line_error(_main("train", "--config", cfg, "--nnodes", "2",
+                                                       "--rdzv-endpoint", "h:29400"))
+    assert "must divide --nproc=2" in one_line_error(_main("compare", "--config", cfg, "--nnodes", "4",
+                                                           "--node-rank", "0", "--master-addr", "h"))

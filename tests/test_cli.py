@@ -1,18 +1,26 @@
 """The command line as a user meets it: ``--set`` overrides, compare's system names in
-``train``, a used ``--out`` refused, a failed resume that changes nothing, user errors in the
-launcher and inside ranks as one line with exit 2, help that matches the commands."""
+``train``, a used ``--out`` refused, a failed resume that changes nothing, a resume at another
+``--nproc``, user errors in the launcher and inside ranks as one line with exit 2, help that
+matches the commands.
+
+Most commands run through ``lrmoe.cli.main`` in the test process (``_main``: no start-up of a
+Python with torch, seconds each); the first run of the resume test, the first user error of
+tests/test_train.py and compare's unknown system (tests/test_train_reliability.py) run through
+a process of their own (``_cli``), as a user types them."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lrmoe.train.config import ConfigError, apply_sets, from_dict, load
-from tests.test_train import TINY, _cli, _config_file, _write_text_folder, records, tiny
+from tests.test_train import TINY, _cli, _config_file, _main, _write_text_folder, losses, records, tiny
 
 
 def one_line_error(r, code: int = 2) -> str:
@@ -60,10 +68,10 @@ def test_set_applies_to_the_file(tmp_path):
 
 def test_cli_set_and_system_errors_are_one_line(tmp_path):
     cfg = str(_config_file(tmp_path))
-    assert "unknown key 'stepz' in [train]" in one_line_error(_cli("train", "--config", cfg, "--set", "train.stepz=3"))
-    assert "train.batch=0" in one_line_error(_cli("compare", "--config", cfg, "--set", "train.batch=0"))
-    assert "--system 'lrmoe-best@0.5'" in one_line_error(_cli("train", "--config", cfg, "--system", "lrmoe-best@0.5"))
-    assert "ratio" in one_line_error(_cli("train", "--config", cfg, "--system", "lrmoe@1.5"))
+    assert "unknown key 'stepz' in [train]" in one_line_error(_main("train", "--config", cfg, "--set", "train.stepz=3"))
+    assert "train.batch=0" in one_line_error(_main("compare", "--config", cfg, "--set", "train.batch=0"))
+    assert "--system 'lrmoe-best@0.5'" in one_line_error(_main("train", "--config", cfg, "--system", "lrmoe-best@0.5"))
+    assert "ratio" in one_line_error(_main("train", "--config", cfg, "--system", "lrmoe@1.5"))
 
 
 # ------------------------------------------------------------------- --system takes compare's names
@@ -122,7 +130,7 @@ def test_too_small_corpus_is_one_line_before_launch_and_inside_ranks(tmp_path, m
     _write_text_folder(data)
     cfg = _config_file(tmp_path, data=str(data), vocab_size=300, batch=100_000)
     out = tmp_path / "run"
-    line = one_line_error(_cli("train", "--config", str(cfg), "--out", str(out)))
+    line = one_line_error(_main("train", "--config", str(cfg), "--out", str(out)))
     assert "the corpus is too small" in line and "train.batch=100000" in line
     assert not out.exists(), "refused before anything was written"
     # the same error raised inside the ranks (a launch without the launcher's checks)
@@ -133,37 +141,59 @@ def test_too_small_corpus_is_one_line_before_launch_and_inside_ranks(tmp_path, m
 
 
 def test_used_out_failed_resume_resume_and_overwrite(tmp_path):
+    """One run through its steps: trained at --nproc 2 (through a process of its own, as a user
+    runs it), a used --out refused, resumes that fail (another model; a checkpoint of an earlier
+    lrmoe) changing nothing, a resume at --nproc 1 that continues the step count, --overwrite."""
     cfg = str(_config_file(tmp_path, checkpoint_every=1, eval_every=2))
     out = tmp_path / "run"
-    r = _cli("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--set", "train.steps=3", "--out", str(out))
+    # checkpoint_every=0 in this first run: the checkpoint at the end is the one a resume reads
+    r = _cli("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--set", "train.steps=3",
+             "--set", "train.checkpoint_every=0", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trained 3 steps of lrmoe-random@0.5" in r.stdout
     written = load(out / "config.toml")
     assert (written.train.system, written.backward.selection, written.backward.ratio, written.train.steps) == \
         ("lrmoe", "random", 0.5, 3)
+    assert written.train.nproc == 2
     summary = json.loads((out / "summary.json").read_text())
     assert [v["step"] for v in summary["val"]] == [2, 3]
+    assert len(losses(out)) == 3 and (out / "routing.npz").exists()
+    assert (out / "ckpt" / "latest").read_text() == "3"
     before = snapshot(out)
 
     # a used --out without --resume: refused, nothing touched
-    line = one_line_error(_cli("train", "--config", cfg, "--out", str(out)))
+    line = one_line_error(_main("train", "--config", cfg, "--out", str(out)))
     assert "is not empty" in line and "--overwrite" in line
-    # a resume that cannot work (another model): one line from inside the ranks, nothing touched
-    line = one_line_error(_cli("train", "--config", cfg, "--system", "lrmoe-random@0.5",
-                               "--set", "model.moe.ffn_dim=48", "--out", str(out), "--resume"))
+    # a resume that cannot work (another model): one line from inside both ranks, nothing touched
+    line = one_line_error(_main("train", "--config", cfg, "--system", "lrmoe-random@0.5",
+                                "--set", "model.moe.ffn_dim=48", "--out", str(out), "--resume"))
     assert "does not fit this run" in line
     assert snapshot(out) == before, "a failed resume changes nothing on disk"
 
-    # a good resume continues the step count
-    r = _cli("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--steps", "5", "--out", str(out), "--resume")
+    # a good resume, at another --nproc, continues the step count
+    r = _main("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--nproc", "1", "--steps", "5",
+              "--out", str(out), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "trained 5 steps of lrmoe-random@0.5" in r.stdout
     rows = records(out)
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    assert all(np.isfinite(losses(out)))
     assert rows[3]["wall_s"] > rows[2]["wall_s"], "wall time continues across the resume"
-    assert load(out / "config.toml").train.steps == 5
+    written = load(out / "config.toml")
+    assert (written.train.steps, written.train.nproc) == (5, 1)
+
+    # a checkpoint of an earlier lrmoe (one pickled file a rank): one line with exit 2, nothing touched
+    shutil.rmtree(out / "ckpt")
+    (out / "ckpt" / "step_0000005").mkdir(parents=True)
+    (out / "ckpt" / "step_0000005" / "rank_0.pt").write_bytes(b"old")
+    (out / "ckpt" / "latest").write_text("5")
+    before = snapshot(out)
+    assert "earlier lrmoe" in one_line_error(_main("train", "--config", cfg, "--nproc", "1", "--steps", "6",
+                                                   "--out", str(out), "--resume"))
+    assert snapshot(out) == before
 
     # --overwrite replaces the run: no old metrics lines or checkpoints beside the new ones
-    r = _cli("train", "--config", cfg, "--system", "static", "--steps", "2", "--out", str(out), "--overwrite")
+    r = _main("train", "--config", cfg, "--system", "static", "--steps", "2", "--out", str(out), "--overwrite")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["step"] for x in records(out)] == [1, 2]
     assert sorted(p.name for p in (out / "ckpt").glob("step_*")) == ["step_0000001", "step_0000002"]
@@ -173,7 +203,7 @@ def test_compare_refuses_a_used_out(tmp_path):
     out = tmp_path / "cmp"
     (out / "static").mkdir(parents=True)
     (out / "static" / "metrics.jsonl").write_text("")
-    line = one_line_error(_cli("compare", "--config", str(_config_file(tmp_path)), "--out", str(out)))
+    line = one_line_error(_main("compare", "--config", str(_config_file(tmp_path)), "--out", str(out)))
     assert "is not empty" in line
 
 
@@ -184,7 +214,7 @@ def test_help_matches_the_commands():
     for argv, needles in [([], ["simulate", "compare", "--resume | --overwrite", "--set SECTION.KEY=VALUE"]),
                           (["compare"], ["--resume", "--overwrite", "--set", "--systems"]),
                           (["train"], ["--system", "lrmoe-random@0.5", "--set", "--overwrite", "--max-restarts"])]:
-        r = _cli(*argv, "--help")
+        r = _main(*argv, "--help")
         assert r.returncode == 0
         for needle in needles:
             assert needle in r.stdout, (argv, needle)

@@ -15,7 +15,7 @@ from lrmoe.models import ModelConfig, MoETransformer
 from lrmoe.train import checkpoint
 from lrmoe.train.config import CompareConfig, ConfigError, TrainConfig, from_dict, load
 from lrmoe.train.loop import train
-from tests.test_train import _cli, _config_file, losses, tiny
+from tests.test_train import _cli, _config_file, _main, losses, tiny, train_case
 
 # ------------------------------------------------------------------- every field validated
 
@@ -83,12 +83,13 @@ def test_unknown_keys_are_rejected():
 @pytest.mark.parametrize("flag,value", [("--nproc", "0"), ("--steps", "-1"), ("--ep-size", "-2"),
                                         ("--max-restarts", "-1")])
 def test_cli_flags_validated(tmp_path, flag, value):
-    r = _cli("train", "--config", str(_config_file(tmp_path)), flag, value)
+    r = _main("train", "--config", str(_config_file(tmp_path)), flag, value)
     assert r.returncode == 2 and flag in r.stderr and value in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_cli_compare_rejects_unknown_system(tmp_path):
+    # through a process of its own, as a user runs it (tests/test_cli.py runs most commands in-process)
     r = _cli("compare", "--config", str(_config_file(tmp_path)), "--systems", "static,warp")
     assert r.returncode == 2 and "warp" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -190,23 +191,26 @@ def test_corrupt_checkpoint_falls_back_and_torn_metrics_line(tmp_path, capsys, d
 # ------------------------------------------------------------------- a rank killed mid-run
 
 
-def test_rank_killed_restarts_from_checkpoint(tmp_path):
+def test_rank_killed_restarts_from_checkpoint(pool2, tmp_path):
     """train.checkpoint_every is left at 0: with --max-restarts the run checkpoints every
-    eval_every (2) steps, so the restarted ranks go on from step 2, not from step 0."""
-    cfg = _config_file(tmp_path, system="lrmoe", steps=6, eval_every=2,
-                       budget={"memory_bytes": 300_000}, backward={"ratio": 0.75})
+    eval_every (2) steps, so the restarted ranks go on from step 2, not from step 0. The
+    uninterrupted run to compare with trains the same config on the same two gloo ranks, in the
+    test's pool rather than through torchrun (the same losses, bit for bit)."""
+    kw = {"system": "lrmoe", "steps": 6, "eval_every": 2, "budget": {"memory_bytes": 300_000},
+          "backward": {"ratio": 0.75}}
+    cfg = _config_file(tmp_path, **kw)
     straight = tmp_path / "straight"
-    r = _cli("train", "--config", str(cfg), "--out", str(straight))
-    assert r.returncode == 0, r.stderr[-2000:]
+    pool2.run(2, train_case, kw, str(straight))
     faulty = tmp_path / "faulty"
     env_fault = {"LRMOE_FAULT_AT": "3:1"}  # rank 1 is SIGKILLed after step 3
     os.environ.update(env_fault)
     try:
-        r = _cli("train", "--config", str(cfg), "--out", str(faulty), "--max-restarts", "1")
+        r = _main("train", "--config", str(cfg), "--out", str(faulty), "--max-restarts", "1")
     finally:
         os.environ.pop("LRMOE_FAULT_AT")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"exitcode: {-signal.SIGKILL}" in r.stderr, "the fault fired: rank 1 died of SIGKILL"
+    assert len(losses(straight)) == 6
     assert losses(faulty) == losses(straight), "the restarted run ends where the uninterrupted one does"
     assert load(faulty / "config.toml").train.checkpoint_every == 2
     assert r.stderr.count("| 1/6 [") == r.stderr.count("| 2/6 [") == 1, "steps 1 and 2 ran once"
