@@ -253,21 +253,32 @@ def test_lrmoe_kept_ratio_comes_from_the_controller_at_the_cap():
 
 
 def test_selection_exchange_bytes():
-    """local-sampled (the default) exchanges no scores, only the non-finite counts every
-    selection all-gathers; sampled all-gathers every score, lrm its candidates."""
+    """local-sampled (the default) and local exchange nothing at all (lrmoe.strata), and their
+    keep-x dy rows carry 4-byte positions instead of a kept byte per forward row; the global
+    selections all-gather their non-finite counts, then sampled every score, lrm its
+    candidates."""
     from lrmoe.sim.cost import exchanges
 
     cfg = _small()
     counts = routing_counts(cfg)[0][0, 0]
     spec, W, E = cfg.spec, cfg.gpus, cfg.spec.num_experts
+    row = spec.dim * 2
     got = {}
     for selection in ("local-sampled", "local", "sampled", "lrm", "random"):
         call = SystemPlanner("lrmoe", spec.moe_config(), W, ratio=0.5, selection=selection).call(counts, 2)
-        select = [b for phase, b in exchanges(call, spec, 2) if phase == "select"]
+        assert call.keep == "x+acts"
+        every = exchanges(call, spec, 2)
+        select = [b for phase, b in every if phase == "select"]
+        backward = [b for phase, b in every if phase == "bwd_a2a"]
+        if selection.startswith("local"):
+            assert not select and len(backward) == 2, "dy (with positions) out, dx back"
+            assert (backward[0] == call.bwd_SR * (row + 4)).all() and (backward[1] == call.bwd_SR.T * row).all()
+            got[selection] = 0
+            continue
         counts_gather = np.full((W, W), E * 8)
         got[selection] = sum(int(b.sum()) for b in select) - int(counts_gather.sum())
         assert any((b == counts_gather).all() for b in select)  # the non-finite counts, E int64 a rank
-    assert got["local-sampled"] == 0 and got["local"] == 0
+        assert len(backward) == 3 and (backward[2] == call.fwd_SR).all(), "dy, dx, a kept byte per forward row"
     pairs = 1024 * spec.top_k
     assert got["sampled"] == W * W * pairs * 8  # every rank's every score to every rank
     # lrm and random send each rank's best min(q_e, c_e,r) keys: every pair here, where a rank's

@@ -88,7 +88,7 @@ class Selection:
     kept_SE: torch.Tensor  # int64 (W, E): kept pairs per source rank and expert, on every rank
     quota_E: torch.Tensor  # int64 (E,): the quota actually applied (grown by non-finite pairs)
     scale_P: torch.Tensor | None  # sampled: 1/p for kept pairs (None: all contributions × 1)
-    nonfinite: bool  # non-finite scores alone exceeded some expert's quota
+    nonfinite: bool | torch.Tensor  # non-finite scores alone exceeded a quota (local: a share; a device flag)
 
 
 def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
