@@ -47,6 +47,16 @@ class PairAssignment:
         return torch.from_numpy(out)
 
     @cached_property
+    def _sizes_E(self) -> np.ndarray:
+        """Entries of each expert."""
+        return np.bincount(self.expert_H, minlength=self.num_experts)
+
+    @cached_property
+    def _first_E(self) -> np.ndarray:
+        """Index of each expert's first entry."""
+        return np.cumsum(self._sizes_E) - self._sizes_E
+
+    @cached_property
     def rows_H(self) -> np.ndarray:
         """Pairs each entry computes, over every source."""
         return self.rows_HS.sum(1)
@@ -94,28 +104,26 @@ class PairAssignment:
 
     def kept_rows(self, kept_SE: torch.Tensor | np.ndarray, experts: np.ndarray | None = None,
                   sources: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`restricted` for the entries of ``experts`` (default all) from ``sources``
+        """:meth:`restricted` for the entries of ``experts`` (distinct; default all) from ``sources``
         (default all): (those entries' indices, their kept rows (entries, sources)). A rank needs
         only its own source's column and its own experts' entries: O(H + its entries · S)."""
-        if experts is None:
-            entries = np.arange(len(self.expert_H))
+        sizes_E = self._sizes_E
+        chosen = np.flatnonzero(sizes_E) if experts is None else np.sort(np.asarray(experts, dtype=np.int64))
+        chosen = chosen[sizes_E[chosen] > 0]
+        sizes = sizes_E[chosen]  # entries of each chosen expert (contiguous: entries are ordered by expert)
+        starts = np.cumsum(sizes) - sizes
+        entries = np.arange(int(sizes.sum())) + np.repeat(self._first_E[chosen] - starts, sizes)
+        kept = np.asarray(kept_SE, dtype=np.int64)
+        if sources is None:
+            rows_NS, kept_NS = self.rows_HS[entries], kept[:, chosen].T
         else:
-            wanted_E = np.zeros(self.num_experts, bool)
-            wanted_E[experts] = True
-            entries = np.flatnonzero(wanted_E[self.expert_H])
-        cols = np.arange(self.world) if sources is None else np.asarray(sources)
-        rows_NS = self.rows_HS[np.ix_(entries, cols)]
-        expert_N = self.expert_H[entries]
-        kept_NS = np.asarray(kept_SE, dtype=np.int64)[np.ix_(cols, expert_N)].T  # the entry's expert's total
-        starts = np.flatnonzero(np.r_[True, expert_N[1:] != expert_N[:-1]]) if len(entries) else np.zeros(0, int)
-        sizes = np.diff(np.r_[starts, len(entries)])
+            rows_NS, kept_NS = self.rows_HS[:, sources][entries], kept[sources][:, chosen].T
+        kept_NS = np.repeat(kept_NS, sizes, axis=0)  # the entry's expert's total
         single = np.repeat(sizes == 1, sizes)
         share_NS = kept_NS.copy()  # an expert computed by one entry keeps all there
         bad = (share_NS > rows_NS)[single].any()
         if experts is None:  # kept pairs of an expert nobody computes
-            computed_E = np.zeros(self.num_experts, bool)
-            computed_E[self.expert_H] = True
-            bad = bad or np.asarray(kept_SE)[:, ~computed_E].any()
+            bad = bad or kept[:, sizes_E == 0].any()
         multi = np.flatnonzero(sizes > 1)
         if len(multi):  # each such expert's entries laid out as (entry, expert, source)
             first, M = starts[multi], int(sizes[multi].max())

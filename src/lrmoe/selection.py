@@ -100,12 +100,15 @@ def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.T
     sum_E = c.sum(0)
     t_E = np.minimum(np.asarray(total_E, dtype=np.int64), sum_E)
     share, rem = np.divmod(t_E * c, np.maximum(sum_E, 1))
-    W = c.shape[0]
-    key = rem * W + np.arange(W - 1, -1, -1)[:, None]  # distinct within a column: ties to the lower rank
-    order = np.argsort(-key, axis=0)  # (W, E): ranks by remainder
-    rank_pos = np.empty_like(order)
-    np.put_along_axis(rank_pos, order, np.broadcast_to(np.arange(W)[:, None], order.shape), axis=0)
-    return torch.from_numpy(share + (rank_pos < t_E - share.sum(0)))  # a rank with rem > 0 is below its count
+    missing_E = t_E - share.sum(0)
+    short = np.flatnonzero(missing_E)  # experts with remainders to hand out
+    if len(short):
+        W = c.shape[0]
+        key = rem[:, short] * W + np.arange(W - 1, -1, -1)[:, None]  # distinct in a column: ties to the lower rank
+        order = np.argsort(-key, axis=0)  # ranks by remainder
+        # the first missing_e of each column get one more (a rank with a remainder is below its count)
+        share[order, short] += np.arange(W)[:, None] < missing_E[short]
+    return torch.from_numpy(share)
 
 
 def select(
