@@ -16,7 +16,7 @@ from lrmoe import BackwardConfig, MoEConfig, MoELayer, comm
 from lrmoe.assignment import PairAssignment
 from lrmoe.config import SELECTIONS
 from lrmoe.sampling import sample
-from lrmoe.selection import scaled_squared_norms, select_in_strata, squared_norms
+from lrmoe.selection import largest_remainder, scaled_squared_norms, select_in_strata, squared_norms
 from lrmoe.strata import kept_positions
 from tests.test_lrmoe import QWEN
 
@@ -62,6 +62,27 @@ def test_restricted_splits_each_source_and_expert_by_largest_remainder():
     a = _random_assignment(np.random.default_rng(1))
     with pytest.raises(ValueError, match="more pairs kept"):
         a.restricted(a.dense().sum(2).t() + 1)
+
+
+def test_largest_remainder_is_exact():
+    """Floors, then one more for the largest remainders, ties to the lower rank, in exact
+    fractions (float remainders once tied and untied by rounding)."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        W, E = int(rng.integers(1, 7)), int(rng.integers(1, 9))
+        c = rng.integers(0, 9, size=(W, E))
+        t = np.floor(rng.random(E) * (c.sum(0) + 1)).astype(np.int64)
+        want = np.zeros((W, E), np.int64)
+        for e in range(E):
+            total, k = int(c[:, e].sum()), int(t[e])
+            if total == 0:
+                continue
+            exact = [Fraction(k * int(c[s, e]), total) for s in range(W)]
+            floors = [int(x) for x in exact]
+            for s in sorted(range(W), key=lambda s: (floors[s] - exact[s], s))[: k - sum(floors)]:
+                floors[s] += 1
+            want[:, e] = floors
+        assert (largest_remainder(torch.from_numpy(t), torch.from_numpy(c)).numpy() == want).all()
 
 
 def test_sample_keeps_exactly_the_quota_over_any_score_range():
