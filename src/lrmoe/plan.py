@@ -258,6 +258,11 @@ class LayerPlanner(CapFitting):
         *_, placement, self._replica_k = best(scored)
         return placement
 
+    @property
+    def replica_count_chosen(self) -> bool:
+        """lrmoe: its replica-count search has run once (the first scores every candidate)."""
+        return self._replica_k is not None
+
     def _adopt(self, placement: Placement) -> None:
         """Make ``placement`` this layer's replica plan (flexmoe: the optimizer state it binds)."""
         if self.spec.planner is Planner.FLEXMOE:

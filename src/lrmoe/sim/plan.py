@@ -70,6 +70,7 @@ class LayerCall:
     count_gather: bool = False  # the selection all-gathers its non-finite counts (the global selections)
     positions: bool = False  # a keep-x local selection: each kept dy row carries its position (no mask)
     host_live_s: float = 0.0  # the same planning's wall time on this machine (diagnostic only)
+    once_host_s: float = 0.0  # one-time planning after this call, not in its time (lrmoe's first full search)
     planner_calls: dict = field(default_factory=dict)  # benchmarked planner -> calls in this call
 
 
@@ -189,12 +190,17 @@ class SystemPlanner:
             recomputes=spec.recomputes and keep != KEEP_X_ACTS, resends_x=keep == KEEP_NOTHING,
             count_gather=spec.selective and not local, positions=local and keep not in (None, KEEP_NOTHING),
         )
+        # lrmoe's first replica-count search scores every candidate once per run (later ones walk
+        # from its choice): a one-time cost, reported apart, not in the step time
+        first_search = planner.controller is not None and planner.keeps_replicas and not planner.replica_count_chosen
+        once = PlannerCalls() if first_search else calls
         t0 = time.perf_counter()
-        with calls:
+        with once:
             planner.step_end()  # re-plans replicas when due (symi every step; lrmoe's cost search every step)
         live += time.perf_counter() - t0
         return replace(call, host_s=host_seconds(calls.counts, self.per_call_ms), host_live_s=live,
-                       planner_calls=dict(calls.counts))
+                       planner_calls=dict(calls.counts),
+                       once_host_s=host_seconds(once.counts, self.per_call_ms) if first_search else 0.0)
 
     def _score_pairs(self, counts_SE: torch.Tensor, quota_E: torch.Tensor) -> np.ndarray:
         """Scores each rank sends in its selection's exchange (``SCORE_EXCHANGE``)."""
