@@ -172,6 +172,10 @@ def test_cli_writes_table_and_results(tmp_path):
     assert "## What if" in table and set(doc["_what_if"]["qwen3-30b-a3b"]["60"]["lrmoe-local-sampled"]) == \
         {"against", "1.00", "1.05", "measured"}
     assert (out / "memory_sensitivity.png").stat().st_size > 0 and (out / "bandwidth_sensitivity.png").exists()
+    # lrmoe's first replica-count search is one-time planning, apart from the step's host time
+    for model in ("qwen3-30b-a3b", "glm45-air"):
+        rows = doc[model]["100"]
+        assert rows["lrmoe-local-sampled"]["host_once_ms"] > 0 and rows["symi"]["host_once_ms"] == 0
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -250,6 +254,20 @@ def test_lrmoe_kept_ratio_comes_from_the_controller_at_the_cap():
         call = p.call(counts[t, 0], 2)
         assert call.copies_R.tolist() == [len(s) for s in placement.slots]  # planned on that placement
         assert call.kept_pairs == int(expect.sum()) < call.total_pairs
+
+
+def test_first_replica_search_is_one_time_planning():
+    """The call after which lrmoe's first (full) replica-count search runs carries it as
+    ``once_host_s``, not in its host time; later calls' walking searches count as usual."""
+    cfg = _small()
+    counts = routing_counts(cfg)[0]
+    spec, W = cfg.spec, cfg.gpus
+    planner = SystemPlanner("lrmoe", spec.moe_config(), W, memory_bytes=40 * 2**30, selection="local-sampled")
+    first = planner.call(counts[0, 0], 2)
+    assert first.once_host_s > 0 and first.planner_calls["max_min_quotas"] == 1, first.planner_calls
+    later = [planner.call(counts[t % counts.shape[0], 0], 2) for t in range(1, 11)]
+    assert all(c.once_host_s == 0 for c in later)
+    assert later[8].planner_calls["max_min_quotas"] > 1, "the 10th step's walk counts in its call"
 
 
 def test_selection_exchange_bytes():
