@@ -62,7 +62,8 @@ class Placement:
 
     def replicas(self, rank: int) -> tuple[int, ...]:
         """Experts ``rank`` holds a copy of without owning them, in slot order."""
-        return tuple(e for e in self.slots[rank] if int(self.owner_E[e]) != rank)
+        owned = set(self._owned_R[rank])
+        return tuple(e for e in self.slots[rank] if e not in owned)
 
     @property
     def num_copies(self) -> int:
@@ -75,7 +76,13 @@ class Placement:
 
     def owned(self, rank: int) -> tuple[int, ...]:
         """Experts whose parameters ``rank`` owns, ascending."""
-        return tuple(e for e in self.slots[rank] if int(self.owner_E[e]) == rank)
+        return self._owned_R[rank]
+
+    @cached_property
+    def _owned_R(self) -> tuple[tuple[int, ...], ...]:
+        """:meth:`owned` of every rank, computed once (the planners ask per rank, per call)."""
+        owner = self.owner_E.tolist()
+        return tuple(tuple(e for e in experts if owner[e] == r) for r, experts in enumerate(self.slots))
 
     @cached_property
     def slot_index(self) -> torch.Tensor:
