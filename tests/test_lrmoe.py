@@ -302,23 +302,29 @@ def test_bad_backward_config():
 # ------------------------------------------------------------------- non-finite values
 
 
-@pytest.mark.parametrize("selection", ["lrm", "sampled"])
-def test_nonfinite_scores_are_kept_and_reported(selection):
+def nonfinite_backward(selection: str):
+    """A backward at ratio 0.1 whose first six tokens (twelve pairs) have an infinite score.
+    Returns (layer, x's gradient, routed ids, pairs per expert, non-finite pairs per expert)."""
     cfg = MoEConfig(**QWEN)
     sd, x, g = make_problem(cfg, 24, 5, "none")
     layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig(selection, ratio=0.1))
     layer.load_full_state_dict(sd)
     g_bad = g.clone()
-    g_bad[:6, 0] = float("inf")  # six tokens, twelve pairs with an infinite score
+    g_bad[:6, 0] = float("inf")
     xi = x.clone().requires_grad_(True)
     layer(xi).backward(g_bad)
+    ids = layer.router(x).ids_TK
+    counts, nf = torch.bincount(ids.flatten(), minlength=8), torch.bincount(ids[:6].flatten(), minlength=8)
+    return layer, xi.grad, ids, counts, nf
+
+
+@pytest.mark.parametrize("selection", ["lrm", "sampled"])
+def test_nonfinite_scores_are_kept_and_reported(selection):
+    layer, dx, ids, counts, nf = nonfinite_backward(selection)
     assert bool(layer.last_kept[:6].all()), "non-finite pairs must never be dropped"
     assert layer.last_stats["nonfinite"] is True
-    ids = layer.router(x).ids_TK
-    counts = torch.bincount(ids.flatten(), minlength=8)
-    nf = torch.bincount(ids[:6].flatten(), minlength=8)
     assert torch.equal(layer.last_stats["kept_E"], torch.maximum(fixed_ratio_quota(counts, 0.1), nf))
-    assert not torch.isfinite(xi.grad[:6]).all(), "the broken gradient stays visible"
+    assert not torch.isfinite(dx[:6]).all(), "the broken gradient stays visible"
 
 
 @pytest.mark.parametrize("selection", ["local-sampled", "local"])
@@ -326,25 +332,15 @@ def test_local_selection_keeps_nonfinite_first_within_its_shares(selection):
     """A local selection keeps exactly its shares (no exchange can grow them): non-finite pairs
     first, ``nonfinite`` reported where they alone exceed a share, and the broken gradient
     still visible through the router gradient, exact for every pair."""
-    cfg = MoEConfig(**QWEN)
-    sd, x, g = make_problem(cfg, 24, 5, "none")
-    layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig(selection, ratio=0.1))
-    layer.load_full_state_dict(sd)
-    g_bad = g.clone()
-    g_bad[:6, 0] = float("inf")  # six tokens, twelve pairs with an infinite score
-    xi = x.clone().requires_grad_(True)
-    layer(xi).backward(g_bad)
-    ids = layer.router(x).ids_TK
-    counts = torch.bincount(ids.flatten(), minlength=8)
+    layer, dx, ids, counts, nf = nonfinite_backward(selection)
     quota = fixed_ratio_quota(counts, 0.1)
-    nf = torch.bincount(ids[:6].flatten(), minlength=8)
     kept = layer.last_kept
     assert torch.equal(layer.last_stats["kept_E"], quota)
     assert torch.equal(torch.bincount(ids[kept], minlength=8), quota), "exactly q_e, non-finite or not"
     kept_nf = torch.bincount(ids[:6][kept[:6]], minlength=8)
     assert torch.equal(kept_nf, torch.minimum(nf, quota)), "non-finite pairs first"
     assert bool((nf > quota).any()) and layer.last_stats["nonfinite"] is True
-    assert not torch.isfinite(xi.grad[:6]).all(), "the broken gradient stays visible"
+    assert not torch.isfinite(dx[:6]).all(), "the broken gradient stays visible"
     assert not torch.isfinite(layer.router.weight.grad).all()
 
 

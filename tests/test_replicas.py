@@ -341,7 +341,7 @@ def _lrmoe_planner(cap: int, link_gbps: float | None = None, dim: int = 64, ffn:
 
 
 def test_replica_candidates():
-    from lrmoe.plan import replica_candidates
+    from lrmoe.replica_search import replica_candidates
 
     assert replica_candidates(0) == [0]
     assert replica_candidates(2) == [0, 1, 2]

@@ -33,6 +33,7 @@ PLANNING_REFERENCE = Path(__file__).with_name("planning_reference.json")
 _TARGETS = (
     ("lrmoe.plan", "min_peak_assignment"),
     ("lrmoe.plan", "plan_replicas"),
+    ("lrmoe.replica_search", "plan_replicas"),  # lrmoe's replica-count search
     ("lrmoe.placement", "holder_index"),  # once per new placement (Placement.holder_index is cached)
     ("lrmoe.controller", "max_min_quotas"),
     ("lrmoe.planners", "localize"),
