@@ -20,7 +20,8 @@ import os
 import torch
 from common import print_table, run_ranks, time_rows, write_json
 
-from lrmoe import BackwardConfig, MoEConfig, MoELayer, comm
+from lrmoe import BackwardConfig, MoEConfig, MoELayer
+from lrmoe.parallel import comm
 
 ROWS = {
     "static": ("static", None),

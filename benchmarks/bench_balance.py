@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from common import print_table, write_json
 
-from lrmoe.balance import assign_min_peak
+from lrmoe.planning.balance import assign_min_peak
 
 
 def instance(rng: np.random.Generator, args: argparse.Namespace):

@@ -25,7 +25,8 @@ import time
 import torch
 from common import print_table, run_ranks, write_json
 
-from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer, comm
+from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
+from lrmoe.parallel import comm
 
 SYSTEMS = {
     "static": ("static", None),

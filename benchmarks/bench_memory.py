@@ -26,7 +26,8 @@ import math
 import torch
 from common import print_table, run_ranks, write_json
 
-from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
+from lrmoe import ClusterBudget, MoEConfig, MoELayer
+from lrmoe.parallel import comm
 from lrmoe.systems import REPLICATION_FAMILY
 
 SYSTEMS = ("static", "static-recompute", "symi", "capacity", "lrmoe", *REPLICATION_FAMILY)

@@ -7,7 +7,7 @@ Shapes are experts x ranks (E x W). Each instance: ``--tokens`` tokens per rank 
 over a Zipf(``--zipf``) expert popularity (randomly permuted), static ownership plus 0-2
 replicas of each expert on other random ranks (each expert on 1-3 ranks), and a binding
 capacity of ``--cap`` x the mean pairs per rank (tokens x top-k) for the backward quotas.
-Planners, as the layer calls them (``lrmoe.plan``):
+Planners, as the layer calls them (``lrmoe.planning.planner``):
 
 - ``max_min_quotas``: lrmoe's backward quotas (global counts, holders, the capacity);
 - ``assign_min_peak``: the forward assignment of every pair to the holders, no capacity
@@ -23,7 +23,7 @@ Planners, as the layer calls them (``lrmoe.plan``):
 - ``shadow_experts``: fastermoe's per-call decision (Qwen3-30B-A3B's D, F, bf16);
 - ``laer_layout``: laer's per-call layout;
 - ``flexmoe_replan``: flexmoe's greedy re-placement (between steps; ``--no-flexmoe`` skips it);
-- ``strata``: a local selection's kept counts at one rank (``lrmoe.strata.plan_strata``: the
+- ``strata``: a local selection's kept counts at one rank (``lrmoe.selection.strata.plan_strata``: the
   quotas' largest-remainder shares over sources, split over the forward's holders, in send
   order), once per lrmoe backward with the default selection.
 
@@ -44,13 +44,13 @@ import numpy as np
 import torch
 from common import print_table, write_json
 
-from lrmoe.balance import assign_min_peak, min_peak_assignment
-from lrmoe.controller import max_min_quotas
-from lrmoe.holders import HolderIndex
-from lrmoe.placement import Placement, plan_replicas
-from lrmoe.planners import CostModel, flexmoe_replan, laer_layout, localize, shadow_experts
-from lrmoe.selection import largest_remainder
-from lrmoe.strata import plan_strata
+from lrmoe.planning.balance import assign_min_peak, min_peak_assignment
+from lrmoe.planning.controller import max_min_quotas
+from lrmoe.planning.holders import HolderIndex
+from lrmoe.planning.placement import Placement, plan_replicas
+from lrmoe.planning.replication import CostModel, flexmoe_replan, laer_layout, localize, shadow_experts
+from lrmoe.selection.selections import largest_remainder
+from lrmoe.selection.strata import plan_strata
 
 PLANNERS = ["max_min_quotas", "assign_min_peak", "assign_min_peak_cap", "assign_min_peak_dense", "holder_index",
             "plan_replicas", "localize", "shadow_experts", "laer_layout", "flexmoe_replan", "strata"]

@@ -25,8 +25,8 @@ from pathlib import Path
 from common import selection_variant
 
 from lrmoe.config import ClusterBudget
-from lrmoe.meter import ByteModel
-from lrmoe.placement import Placement
+from lrmoe.memory.bytes import ByteModel
+from lrmoe.planning.placement import Placement
 from lrmoe.systems import REFERENCE_SYSTEM
 from lrmoe.train.compare import budget_steps, finished, summarise, system_config, target_from_reference
 from lrmoe.train.config import RunConfig, load

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lrmoe.assignment import PairAssignment
-from lrmoe.balance import assign_min_peak, min_peak_assignment
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.balance import assign_min_peak, min_peak_assignment
 
 
 def optimal_peak(counts, holders, capacity=None, base=None):

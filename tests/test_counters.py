@@ -49,7 +49,7 @@ class Recorder:
 
 
 def counter_case(group, system: str):
-    from lrmoe import comm
+    from lrmoe.parallel import comm
 
     mp = pytest.MonkeyPatch()
     try:

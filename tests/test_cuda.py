@@ -30,7 +30,7 @@ DEVICE = "cuda"  # the device under test; the reference runs on the CPU
 # The device→host reads a selective backward (lrmoe, world 1, the default local-sampled
 # selection) may make, as (file, function) → why. Issue 16 allows the kept counts that size the
 # all-to-all splits plus at most one more small read; a local selection needs neither: its kept
-# counts come from the plan (lrmoe.strata), its ``nonfinite`` flag stays on the device until
+# counts come from the plan (lrmoe.selection.strata), its ``nonfinite`` flag stays on the device until
 # ``last_stats`` is read. So none. (tests/test_strata.py checks the same on the CPU by finding
 # every op that needs values on the host; this checks it where it counts.)
 ALLOWED_HOST_READS: dict[tuple[str, str], str] = {}

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from lrmoe import BackwardConfig, MoELayer, comm
+from lrmoe import BackwardConfig, MoELayer
 from lrmoe.integrations.hf import patch_model, unpatch_model
+from lrmoe.parallel import comm
 from tests.test_layer import close
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer, comm, fit
-from lrmoe.meter import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
-from lrmoe.plan import LayerPlanner
+from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
+from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.parallel import comm
+from lrmoe.planning import cap_fit as fit
+from lrmoe.planning.planner import LayerPlanner
 from lrmoe.systems import spec_of
 from tests.pool import RankPool
 from tests.reference import reference_grads

@@ -47,7 +47,7 @@ def split_tokens(n_tokens: int, world: int, empty_rank: int | None) -> list[int]
 
 def ep_case(group, cfg_kwargs: dict, n_tokens: int, seed: int, skew: str, empty_rank, system: str,
             shape3d: bool = False):
-    from lrmoe import comm
+    from lrmoe.parallel import comm
 
     cfg = MoEConfig(**cfg_kwargs)
     world, rank = comm.world_size(group), comm.rank_of(group)
@@ -157,7 +157,7 @@ def hf_blocks():
 
 
 def hf_case(group, kind: str):
-    from lrmoe import comm
+    from lrmoe.parallel import comm
 
     block = hf_blocks()[kind]
     world, rank = comm.world_size(group), comm.rank_of(group)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import BackwardConfig, MoEConfig, MoELayer, comm
-from lrmoe.selection import fixed_ratio_quota, largest_remainder
+from lrmoe import BackwardConfig, MoEConfig, MoELayer
+from lrmoe.parallel import comm
+from lrmoe.selection.selections import fixed_ratio_quota, largest_remainder
 from tests.reference import dense_moe, reference_grads
 from tests.test_counters import Recorder
 from tests.test_layer import GLM, QWEN, close, make_problem, split_tokens
@@ -345,7 +346,7 @@ def test_local_selection_keeps_nonfinite_first_within_its_shares(selection):
 
 
 def test_huge_finite_values_do_not_overflow_scores():
-    from lrmoe.selection import squared_norms
+    from lrmoe.selection.selections import squared_norms
 
     x = torch.full((3, 64), 3e37)
     sq = squared_norms(x)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import SYSTEMS, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer, comm
-from lrmoe.meter import RankWork, expert_side_peak
-from lrmoe.plan import LayerPlanner
+from lrmoe import SYSTEMS, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
+from lrmoe.memory.bytes import RankWork, expert_side_peak
+from lrmoe.parallel import comm
+from lrmoe.planning.planner import LayerPlanner
 from lrmoe.systems import BackwardKind, spec_of
 from tests.reference import route
 from tests.test_layer import close

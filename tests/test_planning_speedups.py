@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from lrmoe.assignment import PairAssignment
-from lrmoe.balance import assign_min_peak, min_peak_assignment
-from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
-from lrmoe.planners import CostModel, laer_layout, localize, shadow_experts
-from lrmoe.quota_ratio import largest_ratio
-from lrmoe.quotas import max_min_quotas
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.balance import assign_min_peak, min_peak_assignment
+from lrmoe.planning.placement import Placement, copies_by_load, place_copies, plan_replicas
+from lrmoe.planning.quota_ratio import largest_ratio
+from lrmoe.planning.quotas import max_min_quotas
+from lrmoe.planning.replication import CostModel, laer_layout, localize, shadow_experts
 
 # ---------------------------------------------------------------------------------------------
-# Reference: the implementations before the speed-ups (lrmoe.balance, lrmoe.controller,
-# lrmoe.placement, lrmoe.planners at 93bab23), kept here unchanged to compare against.
+# Reference: the implementations before the speed-ups (lrmoe.planning.balance, lrmoe.planning.controller,
+# lrmoe.planning.placement, lrmoe.planning.replication at 93bab23), kept here unchanged to compare against.
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""lrmoe.quotas' fast path against the reference it must match bit for bit (the frozen copy in
+"""lrmoe.planning.quotas' fast path against the reference it must match bit for bit (the frozen copy in
 test_planning_speedups), on instances chosen to exercise each of its shortcuts: ample ranks left
 out of round 1's max-flow, frozen sets that fill their holders exactly leaving the problem (and
 the next round's first blocking set derived without a max-flow), rounds whose last set does not
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lrmoe.quota_ratio import fair_quotas, largest_ratio, quota_array
-from lrmoe.quotas import _contested_experts, max_min_quotas
+from lrmoe.planning.quota_ratio import fair_quotas, largest_ratio, quota_array
+from lrmoe.planning.quotas import _contested_experts, max_min_quotas
 from tests.test_planning_speedups import (
     random_holders,
     ref_largest_ratio,

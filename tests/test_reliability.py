@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
-from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer, comm
+from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
+from lrmoe.parallel import comm
 from lrmoe.systems import SYSTEMS
 from tests.reference import reference_grads
 from tests.test_layer import close, split_tokens

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer, comm
-from lrmoe.controller import Controller, max_min_quotas
-from lrmoe.meter import ByteModel
-from lrmoe.placement import Placement, plan_replicas
+from lrmoe import ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
+from lrmoe.memory.bytes import ByteModel
+from lrmoe.parallel import comm
+from lrmoe.planning.controller import Controller, max_min_quotas
+from lrmoe.planning.placement import Placement, plan_replicas
 from tests.reference import reference_grads
 from tests.test_layer import close, make_problem, split_tokens
 
@@ -333,7 +334,7 @@ def test_network_budget_bounds_kept_rows(pool):
 
 
 def _lrmoe_planner(cap: int, link_gbps: float | None = None, dim: int = 64, ffn: int = 128):
-    from lrmoe.plan import LayerPlanner
+    from lrmoe.planning.planner import LayerPlanner
     from lrmoe.systems import spec_of
 
     cfg = MoEConfig(dim=dim, ffn_dim=ffn, num_experts=8, top_k=2)
@@ -341,7 +342,7 @@ def _lrmoe_planner(cap: int, link_gbps: float | None = None, dim: int = 64, ffn:
 
 
 def test_replica_candidates():
-    from lrmoe.replica_search import replica_candidates
+    from lrmoe.planning.replica_search import replica_candidates
 
     assert replica_candidates(0) == [0]
     assert replica_candidates(2) == [0, 1, 2]
@@ -369,7 +370,7 @@ def test_lrmoe_replicas_that_cost_kept_rows_are_not_taken():
     """Under a cap that binds, a replica's memory would hold kept rows instead: with a balanced
     load the search keeps owned experts only, even on a free link, and keeps at least as many
     pairs as a plan with one replica slot a rank (fixed slots) would, where that one fits at all."""
-    from lrmoe.plan import LayerPlanner
+    from lrmoe.planning.planner import LayerPlanner
     from lrmoe.systems import spec_of
 
     counts_SE = torch.tensor([[60] * 8] * 2)
@@ -393,14 +394,14 @@ def test_lrmoe_replica_search_walks_from_the_last_choice(monkeypatch):
     is at the edge: under a steady load three plans, with the choice of a search over all."""
     import copy
 
-    import lrmoe.plan
+    import lrmoe.planning.planner
 
     planner = _lrmoe_planner(50_000_000, 1e6)
     planner.default_slots_R = [12, 12]  # room for more candidates: 0, 1, 2, 3, 4, 6, 8
     hot = torch.tensor([[400, 200, 10, 10, 10, 10, 10, 10]] * 2)
     scored = []
-    real = lrmoe.plan.LayerPlanner._controller_forward
-    monkeypatch.setattr(lrmoe.plan.LayerPlanner, "_controller_forward",
+    real = lrmoe.planning.planner.LayerPlanner._controller_forward
+    monkeypatch.setattr(lrmoe.planning.planner.LayerPlanner, "_controller_forward",
                         lambda self, *a: scored.append(1) or real(self, *a))
     planner.plan_call(hot)
     planner.step_end()

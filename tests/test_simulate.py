@@ -15,7 +15,7 @@ from tqdm import tqdm
 from lrmoe.cli import main
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.layer import MoELayer
-from lrmoe.selection import fixed_ratio_quota
+from lrmoe.selection.selections import fixed_ratio_quota
 from lrmoe.sim.budget import GIB
 from lrmoe.sim.config import SimConfig, routing_counts
 from lrmoe.sim.errors import SimError
@@ -271,7 +271,7 @@ def test_first_replica_search_is_one_time_planning():
 
 
 def test_selection_exchange_bytes():
-    """local-sampled (the default) and local exchange nothing at all (lrmoe.strata), and their
+    """local-sampled (the default) and local exchange nothing at all (lrmoe.selection.strata), and their
     keep-x dy rows carry 4-byte positions instead of a kept byte per forward row; the global
     selections all-gather their non-finite counts, then sampled every score, lrm its
     candidates."""

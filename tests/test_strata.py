@@ -1,4 +1,4 @@
-"""Local selections in strata (lrmoe.strata): exact kept counts known from the plan alone, the
+"""Local selections in strata (lrmoe.selection.strata): exact kept counts known from the plan alone, the
 backward's rows moved with no exchange before them, and no data-dependent host read."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lrmoe import BackwardConfig, MoEConfig, MoELayer, comm
-from lrmoe.assignment import PairAssignment
+from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.config import SELECTIONS
-from lrmoe.sampling import sample
-from lrmoe.selection import largest_remainder, scaled_squared_norms, select_in_strata, squared_norms
-from lrmoe.strata import kept_positions
+from lrmoe.parallel import comm
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.selection.sampling import sample
+from lrmoe.selection.selections import largest_remainder, scaled_squared_norms, select_in_strata, squared_norms
+from lrmoe.selection.strata import kept_positions
 from tests.test_lrmoe import QWEN
 
 
@@ -187,7 +188,7 @@ def host_reads_case(group, selection: str):
     """One lrmoe backward at ratio 0.25 under :class:`HostReads`, ‖g‖² as on CUDA."""
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr("lrmoe.routed.squared_norms", scaled_squared_norms)
+        mp.setattr("lrmoe.passes.routed.squared_norms", scaled_squared_norms)
         cfg = MoEConfig(**QWEN)
         torch.manual_seed(comm.rank_of(group))
         layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(selection, ratio=0.25))
@@ -210,5 +211,5 @@ def test_local_selection_backward_reads_nothing_from_the_device(pool, world):
         for sites, keep in pool.run(world, host_reads_case, selection):
             assert keep == "x+acts" and sites == [], (selection, sites)
     lrm = pool.run(world, host_reads_case, "lrm")[0][0]
-    assert ("selection.py", "select", "bincount.default") in lrm, lrm
+    assert ("selections.py", "select", "bincount.default") in lrm, lrm
     assert set(SELECTIONS) == {"lrm", "random", "local", "sampled", "local-sampled"}

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import ClusterBudget, MoEConfig, MoELayer, comm
-from lrmoe.assignment import PairAssignment
-from lrmoe.balance import assign_min_peak
-from lrmoe.placement import Placement, plan_replicas
-from lrmoe.planners import (
+from lrmoe import ClusterBudget, MoEConfig, MoELayer
+from lrmoe.parallel import comm
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.balance import assign_min_peak
+from lrmoe.planning.placement import Placement, plan_replicas
+from lrmoe.planning.replication import (
     CostModel,
     flexmoe_replan,
     laer_layout,

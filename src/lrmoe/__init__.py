@@ -28,12 +28,15 @@ Shape suffixes on tensor names (``x_TD``, ``counts_SE``, ``assign_ESR``):
     H (expert, holder) entries of an assignment (``PairAssignment.rows_HS``)
 """
 
-from lrmoe.balance import assign_min_peak
+from lrmoe import _moved
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.layer import MoELayer
+from lrmoe.planning.balance import assign_min_peak
 from lrmoe.systems import SYSTEMS, SystemSpec, parse_system_name, spec_of
 
 __all__ = ["BackwardConfig", "ClusterBudget", "MemoryBudgetExceeded", "MoEConfig", "MoELayer", "SYSTEMS", "SystemSpec",
            "assign_min_peak", "parse_system_name", "spec_of"]
 __version__ = "0.1.0"
+
+_moved.install()  # the flat layout's import paths (lrmoe.balance, lrmoe.comm, ...) keep working

@@ -14,7 +14,7 @@ import torch
 ROUTERS = ("softmax", "sigmoid")
 SELECTIONS = ("lrm", "random", "local", "sampled", "local-sampled")
 # Selections with no exchange: every rank's share of q_e, and where each kept pair is computed,
-# follow from the counts alone (lrmoe.strata)
+# follow from the counts alone (lrmoe.selection.strata)
 LOCAL_SELECTIONS = ("local", "local-sampled")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

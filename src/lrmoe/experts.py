@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lrmoe.comm import to_device
+from lrmoe.parallel.comm import to_device
 
 # --------------------------------------------------------------------------------------------
 # The grouped-GEMM seam. Two products cover every expert GEMM:

@@ -1,9 +1,9 @@
 """MoELayer: the ``nn.Module`` facade of one expert-parallel MoE layer.
 
 It owns the parameters (router, this rank's experts or expert slices, replica copies, shared
-expert), the :class:`~lrmoe.plan.LayerPlanner` that decides placement and each call's plan,
+expert), the :class:`~lrmoe.planning.planner.LayerPlanner` that decides placement and each call's plan,
 and the checkpoint and full-shape views. The routed experts' forward and backward live in
-:mod:`lrmoe.routed`; what each system does is read from its :class:`~lrmoe.systems.SystemSpec`
+:mod:`lrmoe.passes.routed`; what each system does is read from its :class:`~lrmoe.systems.SystemSpec`
 (docs/design.md "Systems").
 """
 
@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lrmoe import comm, sharding
-from lrmoe.comm import Group
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig, positive_int
-from lrmoe.controller import Controller
 from lrmoe.experts import GroupedExperts, SwiGLU
-from lrmoe.placement import Placement
-from lrmoe.plan import LayerPlanner
-from lrmoe.replicas import Replicas
-from lrmoe.routed import CallRecord, RoutedContext, RoutedExperts, routed_forward
+from lrmoe.parallel import comm, sharding
+from lrmoe.parallel.comm import Group
+from lrmoe.parallel.replicas import Replicas
+from lrmoe.passes.routed import CallRecord, RoutedContext, RoutedExperts, routed_forward
+from lrmoe.planning.controller import Controller
+from lrmoe.planning.placement import Placement
+from lrmoe.planning.planner import LayerPlanner
 from lrmoe.router import Router, aux_losses
 from lrmoe.systems import PlacementKind, names_where, spec_of
 
@@ -40,7 +40,7 @@ class MoELayer(nn.Module):
     :meth:`step_end` after every optimizer step (a no-op for systems without replicas).
 
     ``budget.memory_bytes`` caps every system's expert side (docs/design.md "The paper's
-    regime"; :mod:`lrmoe.plan` says how each system fits): ``last_stats`` then reports
+    regime"; :mod:`lrmoe.planning.planner` says how each system fits): ``last_stats`` then reports
     ``memory_cap_bytes`` (and, but for lrmoe, ``predicted_peak_bytes``), and a call that cannot
     fit raises :class:`~lrmoe.errors.MemoryBudgetExceeded` on every rank before its rows move
     (a cap below a rank's owned experts, when the layer is built). ``replica_slots`` is the

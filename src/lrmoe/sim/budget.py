@@ -1,7 +1,7 @@
 """A GPU's memory cap → each system's whole-step memory, and lrmoe's per-layer budget.
 
 A training step holds, per GPU and for every MoE layer at once: the layer's expert copies
-(parameters + gradient buffers, :meth:`lrmoe.meter.ByteModel.slots_held`), the owned experts'
+(parameters + gradient buffers, :meth:`lrmoe.memory.bytes.ByteModel.slots_held`), the owned experts'
 optimizer state, the home-side tensors (:func:`home_bytes`), the router's and shared expert's
 state and activations; and, when the backward begins, what each layer's expert side kept from
 its forward (:func:`kept_between_passes`: rows and activations for static-like systems; for lrmoe
@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 
 from lrmoe.config import ClusterBudget
-from lrmoe.controller import Controller
-from lrmoe.meter import GIB, ByteModel, expert_param_bytes
-from lrmoe.placement import Placement
+from lrmoe.memory.bytes import GIB, ByteModel, expert_param_bytes
+from lrmoe.planning.controller import Controller
+from lrmoe.planning.placement import Placement
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.memory import home_bytes
 from lrmoe.sim.models import ModelSpec

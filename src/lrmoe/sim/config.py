@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lrmoe.config import SELECTIONS, is_int_at_least
-from lrmoe.meter import expert_param_bytes
+from lrmoe.memory.bytes import expert_param_bytes
 from lrmoe.sim.budget import GIB
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.hardware import H200, Hardware

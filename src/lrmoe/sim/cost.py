@@ -23,7 +23,7 @@ the CPU calibration (where the rates are fitted by least squares):
   and dx (+ x where a compacting backward kept nothing, ``call.resends_x``; where it kept x, a
   local selection's dy rows carry their 4-byte positions, ``call.positions``, and a global
   selection first sends one byte per forward row saying which rows are kept), the selection's
-  exchange (``local`` and ``local-sampled`` none at all, lrmoe.strata; the global selections
+  exchange (``local`` and ``local-sampled`` none at all, lrmoe.selection.strata; the global selections
   all-gather their non-finite counts, E int64 per rank, then ``lrm`` and ``random`` their
   candidates' keys, ``sampled`` every score: :data:`lrmoe.sim.plan.SCORE_EXCHANGE`; capacity's
   score exchange in the forward), replica refresh (owner → holder, every step) and
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lrmoe.meter import H_SQ_BYTES, expert_param_bytes, position_bytes
+from lrmoe.memory.bytes import H_SQ_BYTES, expert_param_bytes, position_bytes
 from lrmoe.sim.hardware import Hardware
 from lrmoe.sim.models import ModelSpec
 from lrmoe.sim.plan import LayerCall

@@ -3,7 +3,7 @@
 The layer runs its planners on the host, on the critical path, so their time counts. Measuring
 it live made the projection depend on how busy the simulation host was (a busy 2-core VM once
 tripled symi's planning time and flipped the sign of a headline figure). Instead, while the
-library's :class:`lrmoe.plan.LayerPlanner` plans a call, :class:`PlannerCalls` counts how often
+library's :class:`lrmoe.planning.planner.LayerPlanner` plans a call, :class:`PlannerCalls` counts how often
 it runs each planner that ``benchmarks/bench_planning.py`` measures, and the call's host time is
 those counts times the benchmark's recorded median per call (``planning_reference.json``, copied
 from docs/benchmarks.md) at the nearest recorded shape: the same on an idle and on a busy machine.
@@ -31,15 +31,15 @@ PLANNING_REFERENCE = Path(__file__).with_name("planning_reference.json")
 # benchmark's name for it. The min-peak assignment is named by whether it got capacities (the
 # backward's kept pairs under the controller's capacities, or a forward within a memory cap).
 _TARGETS = (
-    ("lrmoe.plan", "min_peak_assignment"),
-    ("lrmoe.plan", "plan_replicas"),
-    ("lrmoe.replica_search", "plan_replicas"),  # lrmoe's replica-count search
-    ("lrmoe.placement", "holder_index"),  # once per new placement (Placement.holder_index is cached)
-    ("lrmoe.controller", "max_min_quotas"),
-    ("lrmoe.planners", "localize"),
-    ("lrmoe.planners", "shadow_experts"),
-    ("lrmoe.planners", "laer_layout"),
-    ("lrmoe.planners", "flexmoe_replan"),
+    ("lrmoe.planning.planner", "min_peak_assignment"),
+    ("lrmoe.planning.planner", "plan_replicas"),
+    ("lrmoe.planning.replica_search", "plan_replicas"),  # lrmoe's replica-count search
+    ("lrmoe.planning.placement", "holder_index"),  # once per new placement (Placement.holder_index is cached)
+    ("lrmoe.planning.controller", "max_min_quotas"),
+    ("lrmoe.planning.replication", "localize"),
+    ("lrmoe.planning.replication", "shadow_experts"),
+    ("lrmoe.planning.replication", "laer_layout"),
+    ("lrmoe.planning.replication", "flexmoe_replan"),
 )
 
 
@@ -53,7 +53,7 @@ def _bench_name(attr: str, args: tuple, kwargs: dict) -> str:
 class PlannerCalls:
     """Counts the benchmarked planners the library runs inside a ``with`` block (outermost calls
     only: a planner that calls another counts once, as the benchmark timed it). The counting
-    wraps the functions where :mod:`lrmoe.plan` and :mod:`lrmoe.controller` look them up and puts
+    wraps the functions where :mod:`lrmoe.planning.planner` and :mod:`lrmoe.planning.controller` look them up and puts
     the originals back on exit; nothing in the library is changed."""
 
     def __init__(self) -> None:

@@ -1,19 +1,19 @@
 """Expert-side memory of one rank in one layer call, analytically (docs/design.md "Expert-side memory").
 
-:func:`expert_side_peak` and :class:`RankWork` live in :mod:`lrmoe.meter`, where the layer's
+:func:`expert_side_peak` and :class:`RankWork` live in :mod:`lrmoe.memory.bytes`, where the layer's
 planner uses them to keep a call within a memory cap; they are re-exported here. They replay
-the layer's :class:`lrmoe.meter.MemoryMeter` on numbers instead of tensors, the same holds and
+the layer's :class:`lrmoe.memory.bytes.MemoryMeter` on numbers instead of tensors, the same holds and
 drops in the same order, so for the rows a rank receives they give exactly
 ``layer.last_stats["peak_expert_side_bytes"]`` (tests/test_simulate.py and
 tests/test_memory_cap.py check it against the real layer). The simulator applies them at paper
 scale, where building the tensors is impossible; this module adds what a whole step keeps
 (:func:`kept_between_passes`, :func:`home_bytes`). Byte figures come from
-:class:`lrmoe.meter.ByteModel`, the layer's own byte model.
+:class:`lrmoe.memory.bytes.ByteModel`, the layer's own byte model.
 """
 
 from __future__ import annotations
 
-from lrmoe.meter import H_SQ_BYTES, KEEP_X, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
+from lrmoe.memory.bytes import H_SQ_BYTES, KEEP_X, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
 from lrmoe.systems import SystemSpec, spec_of
 
 __all__ = ["RankWork", "expert_side_peak", "home_bytes", "kept_between_passes"]

@@ -1,6 +1,6 @@
 """What each system does in one layer call, decided by the layer's own planner.
 
-A :class:`SystemPlanner` drives the same :class:`lrmoe.plan.LayerPlanner` object that
+A :class:`SystemPlanner` drives the same :class:`lrmoe.planning.planner.LayerPlanner` object that
 :class:`lrmoe.layer.MoELayer` drives — placement, replica planning (lrmoe: its per-step cost
 search), forward assignment, forward chunks within the budget, kept capacities, quotas and the
 keep mode of a compacting backward — on a step's global per-expert counts, and records the rows
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from lrmoe.config import LOCAL_SELECTIONS, BackwardConfig, ClusterBudget, MoEConfig
-from lrmoe.meter import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
-from lrmoe.plan import LayerPlanner
-from lrmoe.selection import largest_remainder
+from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.planning.planner import LayerPlanner
+from lrmoe.selection.selections import largest_remainder
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.host import PlannerCalls, PlanningReference, host_seconds
 from lrmoe.sim.memory import kept_between_passes
@@ -38,7 +38,7 @@ from lrmoe.systems import spec_of
 # What a selection exchanges besides the non-finite counts every global selection all-gathers:
 # "candidates" (lrm, random: each rank's best min(q_e, c_e,r) keys per expert), "all" (sampled:
 # every finite score), nothing (local, local-sampled: each rank draws its own strata, no
-# exchange at all, lrmoe.strata).
+# exchange at all, lrmoe.selection.strata).
 SCORE_EXCHANGE = {"lrm": "candidates", "random": "candidates", "sampled": "all", "local": None,
                   "local-sampled": None}
 
@@ -64,7 +64,7 @@ class LayerCall:
     peak_R: np.ndarray  # expert_side_peak per rank
     kept_bytes_R: np.ndarray  # bytes kept from forward to backward per rank
     tokens_per_rank: int
-    keep: str | None = None  # a compacting backward's keep mode (lrmoe.meter.KEEP_MODES)
+    keep: str | None = None  # a compacting backward's keep mode (lrmoe.memory.bytes.KEEP_MODES)
     recomputes: bool = False  # the backward recomputes gate/up/h (no saved activations)
     resends_x: bool = False  # home re-sends x of the kept pairs (a compacting backward that kept nothing)
     count_gather: bool = False  # the selection all-gathers its non-finite counts (the global selections)
@@ -152,7 +152,7 @@ class SystemPlanner:
         local = spec.selective and self.selection in LOCAL_SELECTIONS
         if plan.quota_E is not None:
             kept = int(plan.quota_E.sum())
-            if local:  # the backward plans its strata on the host (lrmoe.strata.plan_strata)
+            if local:  # the backward plans its strata on the host (lrmoe.selection.strata.plan_strata)
                 calls.counts["strata"] += 1
             score_R = self._score_pairs(counts_SE, plan.quota_E)
             if spec.compacts:

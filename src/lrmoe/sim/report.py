@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lrmoe.meter import GIB
+from lrmoe.memory.bytes import GIB
 from lrmoe.systems import REFERENCE_SYSTEM
 
 SYMI = "symi"  # the reference of the time columns (the memory columns': REFERENCE_SYSTEM)

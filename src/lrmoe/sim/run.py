@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lrmoe.replica_search import replica_candidates
+from lrmoe.planning.replica_search import replica_candidates
 from lrmoe.sim.budget import GIB, lrmoe_budget, step_peak_bytes
 from lrmoe.sim.config import DTYPE_BYTES, SimConfig, check_caps, routing_counts
 from lrmoe.sim.cost import PHASES, layer_seconds

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lrmoe.comm import Group
+from lrmoe.parallel.comm import Group
 from lrmoe.train.files import atomic_write
 from lrmoe.train.groups import all_reduce
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lrmoe import comm
+from lrmoe.parallel import comm
 from lrmoe.train.config import RunConfig
 
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lrmoe import sharding
-from lrmoe.comm import WireCounter
 from lrmoe.layer import EXPERT_TENSORS, MoELayer, moe_layers
+from lrmoe.parallel import sharding
+from lrmoe.parallel.comm import WireCounter
 from lrmoe.systems import PlacementKind
 from lrmoe.train.groups import Groups
 

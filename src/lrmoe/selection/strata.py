@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lrmoe.assignment import PairAssignment
-from lrmoe.comm import to_device
-from lrmoe.placement import Placement
-from lrmoe.selection import largest_remainder
+from lrmoe.parallel.comm import to_device
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.placement import Placement
+from lrmoe.selection.selections import largest_remainder
 
 
 @dataclass(frozen=True)

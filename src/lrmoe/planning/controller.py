@@ -14,7 +14,7 @@ the layer's expert side and dtype size s:
 So rank r can keep ``cap_r = (M_r − slots − replica buffers) / ((2D + 4F)·s)`` backward rows,
 further bounded by the network budget N_r / (3·D·s) (dy and x in, dx out per kept row).
 
-Quotas are max–min fair (:func:`lrmoe.quotas.max_min_quotas`): the largest common retention
+Quotas are max–min fair (:func:`lrmoe.planning.quotas.max_min_quotas`): the largest common retention
 ratio whose kept pairs fit every rank's capacity, found by progressive filling, then leftover
 capacity filled. Deterministic and identical on every rank.
 """
@@ -25,12 +25,12 @@ import torch
 
 from lrmoe.config import ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.meter import ByteModel
-from lrmoe.placement import Placement
-from lrmoe.quotas import max_min_quotas
+from lrmoe.memory.bytes import ByteModel
+from lrmoe.planning.placement import Placement
+from lrmoe.planning.quotas import max_min_quotas
 
 # Share of the memory left after owned experts that replicas may take at most: the ceiling of
-# the cost search that chooses lrmoe's replicas every step (lrmoe.plan.LayerPlanner._controller_replicas).
+# the cost search that chooses lrmoe's replicas every step (lrmoe.planning.planner.LayerPlanner._controller_replicas).
 REPLICA_MEMORY_SHARE = 0.25
 
 

@@ -1,5 +1,5 @@
 """The fixed-ratio quota q(ρ, c) = clip(⌈ρ·c − 10⁻⁶⌉, 1, c) of docs/design.md and the largest
-common ratio ρ whose quotas fit a room: the arithmetic behind :func:`lrmoe.quotas.max_min_quotas`'s
+common ratio ρ whose quotas fit a room: the arithmetic behind :func:`lrmoe.planning.quotas.max_min_quotas`'s
 rounds, in the same IEEE operations as the reference bisection, so the same values.
 """
 

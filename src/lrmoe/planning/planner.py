@@ -12,7 +12,7 @@ rule apply is read from the :class:`~lrmoe.systems.SystemSpec` (docs/design.md "
 Under a memory cap (``ClusterBudget(memory_bytes=M)``) every system lives within M by the one
 byte model (docs/design.md "The paper's regime"). ``lrmoe`` plans through its controller. For
 every other system the planner predicts each rank's peak from the call's plan with
-:func:`lrmoe.meter.expert_side_peak` (the layer's meter replayed on numbers) before any row
+:func:`lrmoe.memory.bytes.expert_side_peak` (the layer's meter replayed on numbers) before any row
 moves:
 
 - a rank whose rows do not fit at once computes its forward in the largest chunks that do,
@@ -36,18 +36,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lrmoe import planners
-from lrmoe.assignment import PairAssignment
-from lrmoe.balance import min_peak_assignment
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
-from lrmoe.controller import Controller
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.fit import CapFitting
-from lrmoe.meter import ByteModel, expert_param_bytes
-from lrmoe.placement import Placement, plan_replicas
-from lrmoe.planners import CostModel
-from lrmoe.replica_search import ReplicaSearch
-from lrmoe.selection import fixed_ratio_quota
+from lrmoe.memory.bytes import ByteModel, expert_param_bytes
+from lrmoe.planning import replication as planners
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.balance import min_peak_assignment
+from lrmoe.planning.cap_fit import CapFitting
+from lrmoe.planning.controller import Controller
+from lrmoe.planning.placement import Placement, plan_replicas
+from lrmoe.planning.replica_search import ReplicaSearch
+from lrmoe.planning.replication import CostModel
+from lrmoe.selection.selections import fixed_ratio_quota
 from lrmoe.systems import Assignment, PlacementKind, Planner, SystemSpec
 
 ADAM_STATES = planners.ADAM_STATES  # optimizer_bytes assumes Adam(W): two moments per owned parameter

@@ -12,9 +12,9 @@ reproduced here and what is not.
   (online, per step);
 - ``laer``: :func:`laer_layout` (per call: which experts each rank assembles from shards);
 - ``topoep``: :func:`localize` (same peak, fewest cross-node rows), with
-  :func:`lrmoe.placement.plan_replicas` given the rank → node map;
-- ``ultraep`` needs nothing new: :func:`~lrmoe.placement.plan_replicas` on the call's own counts,
-  then :func:`~lrmoe.balance.assign_min_peak` (per-replica token quotas).
+  :func:`lrmoe.planning.placement.plan_replicas` given the rank → node map;
+- ``ultraep`` needs nothing new: :func:`~lrmoe.planning.placement.plan_replicas` on the call's own counts,
+  then :func:`~lrmoe.planning.balance.assign_min_peak` (per-replica token quotas).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lrmoe.assignment import PairAssignment
-from lrmoe.meter import expert_param_bytes
-from lrmoe.placement import Placement, copies_by_load, place_copies, plan_replicas
+from lrmoe.memory.bytes import expert_param_bytes
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.placement import Placement, copies_by_load, place_copies, plan_replicas
 
 ADAM_STATES = 2  # optimizer state per parameter moved with a bound (FlexMoE) replica
 

@@ -3,7 +3,7 @@ rank, how received rows are regrouped by expert, and the exchanges that carry th
 back. Parameter-free; the plans are deterministic. This is the compaction room: a backward plan
 over the kept pairs only makes every message and every GEMM smaller.
 
-A plan is derived from a :class:`~lrmoe.assignment.PairAssignment` (pairs of expert e from
+A plan is derived from a :class:`~lrmoe.planning.assignment.PairAssignment` (pairs of expert e from
 source rank s computed at rank r), which every rank knows identically after the count exchange,
 so split sizes never need a second exchange. The forward plan covers every pair; a backward
 plan may cover only a kept subset (compaction) and may send pairs to other replicas than the
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lrmoe import comm
-from lrmoe.assignment import PairAssignment
-from lrmoe.comm import Group, WireCounter
-from lrmoe.meter import MemoryMeter, position_bytes
-from lrmoe.placement import Placement
-from lrmoe.strata import Strata, kept_positions
+from lrmoe.memory.bytes import MemoryMeter, position_bytes
+from lrmoe.parallel import comm
+from lrmoe.parallel.comm import Group, WireCounter
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.placement import Placement
+from lrmoe.selection.strata import Strata, kept_positions
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def to_home_with_norms(y_RD: torch.Tensor, h_sq_R: torch.Tensor, plan: RowPlan, 
 
 
 def position_dtype(rows: torch.Tensor) -> torch.dtype:
-    """Dtype of a row's position riding in its message (:func:`lrmoe.meter.position_bytes`)."""
+    """Dtype of a row's position riding in its message (:func:`lrmoe.memory.bytes.position_bytes`)."""
     return torch.int64 if position_bytes(rows.element_size()) == 8 else torch.int32
 
 

@@ -1,5 +1,5 @@
 """lrmoe's replica count, chosen by cost under its budget: the part of
-:class:`lrmoe.plan.LayerPlanner` that searches how many replica slots a rank gets (a mixin: it
+:class:`lrmoe.planning.planner.LayerPlanner` that searches how many replica slots a rank gets (a mixin: it
 reads the planner's base placement, smoothed load, controller, costs and byte model). The rule is
 in :meth:`ReplicaSearch._controller_replicas` and docs/design.md "The paper's regime".
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.placement import Placement, plan_replicas
+from lrmoe.planning.placement import Placement, plan_replicas
 
 
 def replica_candidates(most: int) -> list[int]:
@@ -23,7 +23,7 @@ def replica_candidates(most: int) -> list[int]:
 
 
 class ReplicaSearch:
-    """lrmoe's replica-count search (mixin of :class:`lrmoe.plan.LayerPlanner`)."""
+    """lrmoe's replica-count search (mixin of :class:`lrmoe.planning.planner.LayerPlanner`)."""
 
     def _controller_replicas(self, in_call: bool = False) -> Placement:
         """lrmoe's replicas under its budget: re-planned every step, their number chosen by cost

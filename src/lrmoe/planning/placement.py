@@ -18,8 +18,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from lrmoe.assignment import PairAssignment
-from lrmoe.holders import HolderIndex, holder_index
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.holders import HolderIndex, holder_index
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ Selections (``BackwardConfig.selection``): ``lrm`` the exact global top-q_e abov
 q_e by its own scores; ``sampled`` an unbiased fixed-size sample of exactly q_e pairs across
 ranks with π ∝ score, contributions weighted by 1/π (all scores exchanged); ``local-sampled``
 the same drawn per source rank from its largest-remainder share — unbiased, exactly q_e, and
-no exchange at all (lrmoe.sampling). The two local ones draw in strata, each source's share
-split once more over the ranks that computed its pairs in the forward (lrmoe.strata), so every
+no exchange at all (lrmoe.selection.sampling). The two local ones draw in strata, each source's share
+split once more over the ranks that computed its pairs in the forward (lrmoe.selection.strata), so every
 kept count is known from the plan before any row moves.
 """
 
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lrmoe import comm
-from lrmoe.comm import Group, WireCounter
 from lrmoe.config import BackwardConfig
-from lrmoe.sampling import group_sizes, order_by_group_then_key, position_in_block, sample, segment_cumsum
+from lrmoe.parallel import comm
+from lrmoe.parallel.comm import Group, WireCounter
+from lrmoe.selection.sampling import group_sizes, order_by_group_then_key, position_in_block, sample, segment_cumsum
 
 
 def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -176,7 +176,7 @@ def select_in_strata(scores_N: torch.Tensor, group_N: torch.Tensor, share_G: tor
                      generator: torch.Generator | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A local selection (``cfg.local``) of this rank's pairs, kept exactly ``share_G[g]`` in
-    each stratum g (``group_N``: each pair's stratum, ascending; lrmoe.strata). No exchange and
+    each stratum g (``group_N``: each pair's stratum, ascending; lrmoe.selection.strata). No exchange and
     no device→host read: the shares are fixed by the counts, so every rank already knows how
     many rows each stratum sends.
 

@@ -16,7 +16,7 @@ their holders N(A) receive rows from A only, so any assignment needs
 bound and the flow resumes from where it was (capacities only grow). Every P tried is a lower
 bound of the optimum, so the first P with a complete flow is optimal. Integral capacities give
 integral flows. Everything is deterministic (lowest index first), so every rank computes the
-same assignment. The result is a :class:`~lrmoe.assignment.PairAssignment` (rows per
+same assignment. The result is a :class:`~lrmoe.planning.assignment.PairAssignment` (rows per
 (expert, holder) and source); :func:`assign_min_peak` gives it as a dense (E, S, R) tensor.
 """
 
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from lrmoe.assignment import PairAssignment
-from lrmoe.holders import HolderIndex, fill_holders, holder_index
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.holders import HolderIndex, fill_holders, holder_index
 
 
 def _level_for(need: int, base: list[int], cap: list[int]) -> int | None:
@@ -198,7 +198,7 @@ def min_peak_assignment(
     capacity_R: torch.Tensor | Sequence[int] | None = None,
     base_R: torch.Tensor | Sequence[int] | None = None,
 ) -> PairAssignment:
-    """:func:`assign_min_peak` as a :class:`~lrmoe.assignment.PairAssignment`: one entry for
+    """:func:`assign_min_peak` as a :class:`~lrmoe.planning.assignment.PairAssignment`: one entry for
     every (expert, holder), holders ascending."""
     if isinstance(counts_ES, torch.Tensor) and counts_ES.dtype == torch.int64:
         counts = counts_ES.numpy()  # a view, perhaps transposed: copied once, in the split

@@ -1,8 +1,8 @@
-"""Fitting a call's plan within a memory cap: the part of :class:`lrmoe.plan.LayerPlanner` that
+"""Fitting a call's plan within a memory cap: the part of :class:`lrmoe.planning.planner.LayerPlanner` that
 predicts every rank's expert-side peak from a plan before any row moves and searches for a plan
-that fits (docs/design.md "The paper's regime"). The rules are in :mod:`lrmoe.plan`'s docstring.
+that fits (docs/design.md "The paper's regime"). The rules are in :mod:`lrmoe.planning.planner`'s docstring.
 
-The predictions replay the layer's meter on numbers (:func:`lrmoe.meter.expert_side_peak`), so
+The predictions replay the layer's meter on numbers (:func:`lrmoe.memory.bytes.expert_side_peak`), so
 what is predicted here is what the layer then measures.
 """
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lrmoe import planners
-from lrmoe.assignment import PairAssignment
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.meter import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak, position_bytes
-from lrmoe.placement import Placement
+from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak, position_bytes
+from lrmoe.planning import replication as planners
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.placement import Placement
 from lrmoe.systems import Assignment, PlacementKind, Planner
 
 
@@ -33,7 +33,7 @@ class _Fit:
 
 
 class CapFitting:
-    """Memory-cap methods of :class:`lrmoe.plan.LayerPlanner` (a mixin: they read the planner's
+    """Memory-cap methods of :class:`lrmoe.planning.planner.LayerPlanner` (a mixin: they read the planner's
     spec, config, placement state and byte model)."""
 
     def _work(self, placement: Placement, r: int, rows: int, training: bool, chunk: int | None = None) -> RankWork:

@@ -45,7 +45,7 @@ def holder_lists_of(holders: Sequence[Sequence[int]]) -> list[list[int]]:
 class HolderIndex:
     """Each expert's holders in the forms the planners walk: per expert and per rank as lists,
     and as (expert, holder) entries end to end (experts ascending, then ranks). A
-    :class:`~lrmoe.placement.Placement` builds its own once (``placement.holder_index``), so a
+    :class:`~lrmoe.planning.placement.Placement` builds its own once (``placement.holder_index``), so a
     layer call that plans several times over one placement indexes it once."""
 
     lists: list[list[int]]  # expert → its holders, ascending

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lrmoe.balance import max_flow
-from lrmoe.holders import experts_of_ranks, fill_holders, holder_lists_of
-from lrmoe.quota_ratio import fair_quotas, largest_ratio, quota_array, quota_of
+from lrmoe.planning.balance import max_flow
+from lrmoe.planning.holders import experts_of_ranks, fill_holders, holder_lists_of
+from lrmoe.planning.quota_ratio import fair_quotas, largest_ratio, quota_array, quota_of
 
 
 def max_min_quotas(counts_E: torch.Tensor, holders: list[list[int]], cap_R: list[int]) -> torch.Tensor:

@@ -14,9 +14,9 @@ import math
 import torch
 from torch import nn
 
-from lrmoe import comm
-from lrmoe.comm import Group, WireCounter
-from lrmoe.placement import Placement
+from lrmoe.parallel import comm
+from lrmoe.parallel.comm import Group, WireCounter
+from lrmoe.planning.placement import Placement
 
 
 def _flat(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

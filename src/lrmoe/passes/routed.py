@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lrmoe import comm, experts, sharding
-from lrmoe.comm import Group, WireCounter
+from lrmoe import experts
 from lrmoe.config import BackwardConfig
-from lrmoe.dispatch import (
+from lrmoe.memory.bytes import KEEP_X, KEEP_X_ACTS, MemoryMeter, nbytes
+from lrmoe.parallel import comm, sharding
+from lrmoe.parallel.comm import Group, WireCounter
+from lrmoe.parallel.dispatch import (
     RowPlan,
     build_row_plan,
     kept_plan,
@@ -29,11 +31,10 @@ from lrmoe.dispatch import (
     to_home_with_norms,
     to_kept_experts,
 )
-from lrmoe.meter import KEEP_X, KEEP_X_ACTS, MemoryMeter, nbytes
-from lrmoe.plan import ADAM_STATES, CallPlan, LayerPlanner
-from lrmoe.replicas import Replicas
-from lrmoe.selection import Selection, lrm_scores, select, select_in_strata, squared_norms
-from lrmoe.strata import Strata, plan_strata, strata_on
+from lrmoe.parallel.replicas import Replicas
+from lrmoe.planning.planner import ADAM_STATES, CallPlan, LayerPlanner
+from lrmoe.selection.selections import Selection, lrm_scores, select, select_in_strata, squared_norms
+from lrmoe.selection.strata import Strata, plan_strata, strata_on
 from lrmoe.systems import PlacementKind, SystemSpec
 
 
@@ -219,7 +220,7 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
 def _select(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
             wire: WireCounter) -> tuple[Selection, Strata | None, torch.Tensor | None]:
     """LRM scores of this rank's pairs and the kept set within the plan's quotas. A local
-    selection draws in strata (lrmoe.strata) with no exchange and returns them and its kept
+    selection draws in strata (lrmoe.selection.strata) with no exchange and returns them and its kept
     mask over the forward's send order; the others are collective (None, None)."""
     ctx, plan = call.ctx, call.plan
     K = call.ids_TK.shape[1]

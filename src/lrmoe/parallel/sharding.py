@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe import comm
-from lrmoe.comm import Group, WireCounter
-from lrmoe.placement import Placement
+from lrmoe.parallel import comm
+from lrmoe.parallel.comm import Group, WireCounter
+from lrmoe.planning.placement import Placement
 
 
 def check_shardable(ffn_dim: int, world: int) -> None:

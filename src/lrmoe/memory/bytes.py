@@ -35,7 +35,7 @@ H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
 
 def position_bytes(dtype_bytes: int) -> int:
     """A local selection's kept dy row carries its place among the forward's rows: an int32
-    (int64 beside 8-byte rows), as extra columns of dy's message (lrmoe.dispatch)."""
+    (int64 beside 8-byte rows), as extra columns of dy's message (lrmoe.parallel.dispatch)."""
     return 8 if dtype_bytes == 8 else 4
 GIB = 1 << 30
 

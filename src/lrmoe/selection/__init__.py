@@ -1,0 +1,1 @@
+"""Which pairs the LRMoE backward keeps: LRM scores, global and local selections, sampling, strata."""
