@@ -119,7 +119,13 @@ SPECS: dict[str, SystemSpec] = {s.name: s for s in (
 )}
 SYSTEMS: tuple[str, ...] = tuple(SPECS)
 REPLICATION_FAMILY: tuple[str, ...] = ("fastermoe", "flexmoe", "smartmoe", "laer", "ultraep", "topoep")
+# Roles other modules name a system by (they never spell a system's name themselves):
+DEFAULT_SYSTEM = "static"  # what a layer, a training config or a patched model runs unless told
 REFERENCE_SYSTEM = "static"  # compare's target comes from this system's run
+TRIMMING_SYSTEM = "lrmoe"  # the system this library proposes: its controller trims the backward
+REPLICATED_BASELINE = "symi"  # the exact replicated system time columns and breakdowns are measured against
+FIXED_PLACEMENT_BASELINES: tuple[str, ...] = ("static", "static-recompute", "capacity")  # no replica to plan
+COMPARE_DEFAULT: tuple[str, ...] = ("static", "symi", "lrmoe")  # compare's systems unless a config lists others
 
 
 def spec_of(system: str | SystemSpec) -> SystemSpec:
