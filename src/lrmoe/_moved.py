@@ -25,7 +25,7 @@ MOVED = {
     "meter": "lrmoe.memory",
     "placement": "lrmoe.planning.placement",
     "plan": "lrmoe.planning.planner",
-    "planners": "lrmoe.planning.replication",
+    "planners": "lrmoe.planning.strategies",
     "quota_ratio": "lrmoe.planning.quota_ratio",
     "quotas": "lrmoe.planning.quotas",
     "replica_search": "lrmoe.planning.replica_search",

@@ -17,11 +17,12 @@ from lrmoe.experts import GroupedExperts, SwiGLU
 from lrmoe.parallel import comm, sharding
 from lrmoe.parallel.comm import Group
 from lrmoe.parallel.replicas import Replicas
-from lrmoe.passes.routed import CallRecord, RoutedContext, RoutedExperts, routed_forward
+from lrmoe.passes import CallLog, CallRecord, LayerContext, RoutedExperts, routed_forward
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.planner import LayerPlanner
 from lrmoe.router import Router, aux_losses
+from lrmoe.selection.streams import SelectionStreams
 from lrmoe.systems import PlacementKind, names_where, spec_of
 
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
@@ -96,13 +97,12 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             SwiGLU(config.dim, config.shared_hidden, dtype) if config.num_shared_experts else None
         )
-        self._routed = RoutedContext(self.planner, self.replicas, group, self.rank, self.backward_config)
-        self._backward_calls = 0  # seeds random/sampled selection: one stream per backward
+        self._streams = SelectionStreams(self.backward_config.seed, self.rank)  # one pair per selective backward
+        self._routed = LayerContext(self.planner, spec, self.replicas, group, self.rank, self.backward_config,
+                                    self._streams)
+        self._calls = CallLog()
         self._placement_bytes = 0  # parameter bytes moved since the last training call
         self._stale = self.planner.keeps_replicas  # replicas to fetch before the next forward
-        self._last_stats: dict = {}
-        self.last_kept: torch.Tensor | None = None  # (T, K) bool after a backward
-        self.last_scale: torch.Tensor | None = None  # (T, K) 1/π of kept pairs after a sampled backward
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     # ---------------------------------------------------------------- placement
@@ -135,32 +135,32 @@ class MoELayer(nn.Module):
     def train_state(self) -> dict:
         """What a checkpoint needs beyond the state dict to resume exactly: load statistics,
         step and selection counters, and the replica placement."""
-        return {**self.planner.state(), "backward_calls": self._backward_calls}
+        return {**self.planner.state(), "backward_calls": self._streams.calls}
 
     def load_train_state(self, state: dict) -> None:
         self.planner.load_state(state)
-        self._backward_calls = int(state["backward_calls"])
+        self._streams.calls = int(state["backward_calls"])
         self._stale = self.planner.keeps_replicas  # refetched from the owners at the next forward
-
-    def _selection_generators(self) -> tuple[torch.Generator, torch.Generator]:
-        """Fresh streams per backward call, reproducible from the config's seed: this rank's own,
-        and one every rank of the group seeds alike."""
-        self._backward_calls += 1
-        base = (self.backward_config.seed * 1_000_003 + self._backward_calls) * 65_537
-        own = torch.Generator().manual_seed((base + self.rank) % (2**63))
-        return own, torch.Generator().manual_seed((base - 1) % (2**63))
 
     @property
     def last_stats(self) -> dict:
-        """The last call's figures . A local selection's ``nonfinite``
-        flag stays on the device until read here, so the backward itself never waits for it."""
-        flag = self._last_stats.get("nonfinite")
-        if isinstance(flag, torch.Tensor):
-            self._last_stats["nonfinite"] = bool(flag)
-        return self._last_stats
+        """The figures of the latest call begun or backward finished (:class:`~lrmoe.passes.CallStats`
+        as a dict). A local selection's ``nonfinite`` flag stays on the device until read here,
+        so the backward itself never waits for it."""
+        latest = self._calls.latest
+        return {} if latest is None else latest.stats.as_dict()
 
-    def _publish(self, stats: dict, kept_TK: torch.Tensor, scale_TK: torch.Tensor | None) -> None:
-        self._last_stats, self.last_kept, self.last_scale = stats, kept_TK, scale_TK
+    @property
+    def last_kept(self) -> torch.Tensor | None:
+        """(T, K) bool: the pairs the latest backward kept."""
+        latest = self._calls.latest_backward
+        return None if latest is None else latest.kept_TK
+
+    @property
+    def last_scale(self) -> torch.Tensor | None:
+        """(T, K): 1/π of the pairs the latest sampled backward kept (None: contributions × 1)."""
+        latest = self._calls.latest_backward
+        return None if latest is None else latest.scale_TK
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,8 +177,8 @@ class MoELayer(nn.Module):
         # forward-only call (evaluation between steps) only its own, leaving those for the next.
         pending = self._placement_bytes if training else 0
         self._placement_bytes -= pending
-        call = CallRecord(self._routed, routing.ids_TK, training, pending, self._selection_generators, self._publish)
-        self._last_stats = call.stats
+        call = CallRecord(self._routed, routing.ids_TK, training, pending, log=self._calls)
+        self._calls.began(call)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if training:
             out_TD = RoutedExperts.apply(x_TD, routing.weights_TK, gate_up, down, call)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -102,3 +103,42 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.clone() if device is None else x.to(device, copy=True)
     dist.all_reduce(out, group=group)
     return out.to(x.device)
+
+
+class MemoryHook(Protocol):
+    """What a :class:`Channel` tells of the row buffers its exchanges deliver and free."""
+
+    def hold(self, *tensors: torch.Tensor | None) -> None: ...
+
+    def drop(self, *tensors: torch.Tensor | None) -> None: ...
+
+
+@dataclass
+class Channel:
+    """One pass of one layer call over ``group``: every exchange goes through it, so ``wire``
+    counts every byte the pass puts on the wire and ``memory`` (the call's meter, once it
+    exists) hears of every row buffer an exchange delivers and frees. Nothing else in the data
+    path takes a counter or a meter."""
+
+    group: Group
+    wire: WireCounter
+    memory: MemoryHook | None = None
+
+    @property
+    def rank(self) -> int:
+        return rank_of(self.group)
+
+    def all_to_all(self, send_XD: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        return all_to_all(send_XD, send_splits, recv_splits, self.group, self.wire)
+
+    def all_gather(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return all_gather(x_ND, sizes, self.group, self.wire)
+
+    def delivered(self, *tensors: torch.Tensor | None) -> None:
+        """Row buffers an exchange (or its regroup) now holds on the expert side."""
+        if self.memory is not None:
+            self.memory.hold(*tensors)
+
+    def freed(self, *tensors: torch.Tensor | None) -> None:
+        if self.memory is not None:
+            self.memory.drop(*tensors)

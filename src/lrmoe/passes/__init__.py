@@ -1,1 +1,18 @@
-"""The routed experts' forward and backward passes: the autograd function, its stages, its call record."""
+"""The routed experts' forward and backward passes.
+
+    record.py     LayerContext (what the passes use of their layer) and CallRecord (one call,
+                  from its forward to its backward)
+    stats.py      CallStats: a call's figures, typed; MoELayer.last_stats is its dict view
+    forward.py    plan → fetch weights → dispatch → compute → combine → save
+    backward.py   select → plan rows → dispatch → compute → return
+    row_paths.py  the backward's selection and row path, chosen once from the call's plan
+    function.py   RoutedExperts, the autograd function of both passes
+"""
+
+from lrmoe.passes.backward import routed_backward
+from lrmoe.passes.forward import routed_forward
+from lrmoe.passes.function import RoutedExperts
+from lrmoe.passes.record import CallLog, CallRecord, LayerContext
+from lrmoe.passes.stats import CallStats
+
+__all__ = ["CallLog", "CallRecord", "CallStats", "LayerContext", "RoutedExperts", "routed_backward", "routed_forward"]

@@ -21,16 +21,19 @@ capacity filled. Deterministic and identical on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lrmoe.config import ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.memory.bytes import ByteModel
+from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quotas import max_min_quotas
 
 # Share of the memory left after owned experts that replicas may take at most: the ceiling of
-# the cost search that chooses lrmoe's replicas every step (lrmoe.planning.planner.LayerPlanner._controller_replicas).
+# the cost search that chooses lrmoe's replicas every step (lrmoe.planning.replica_search).
 REPLICA_MEMORY_SHARE = 0.25
 
 
@@ -93,6 +96,28 @@ class Controller:
         bound :meth:`forward_chunk_rows` needs), for a forward assignment within the budget."""
         room = self.memory_R[rank] - self._slot_bytes(placement, rank) - self.costs.fwd_compute
         return int(max(room, 0) // self.costs.fwd_io)
+
+    def fit_forward(self, forward_SE: torch.Tensor, placement: Placement, assignment: PairAssignment,
+                    assign: Callable[[torch.Tensor, Placement, list[int]], PairAssignment]
+                    ) -> tuple[PairAssignment, list[int]]:
+        """The forward within the budget: :meth:`forward_chunk_rows` for every rank, on
+        ``assignment``, or, where that leaves a rank no room to compute, on a min-peak one within
+        each rank's :meth:`forward_rows_capacity` (``assign``: the system's rule with capacities).
+        Every rank checks every rank, so all raise together."""
+        def chunks(a: PairAssignment) -> list[int]:
+            return [self.forward_chunk_rows(placement, r, n) for r, n in enumerate(a.rows_R())]
+
+        try:
+            return assignment, chunks(assignment)
+        except MemoryBudgetExceeded as err:
+            if placement.owners_only:
+                raise
+            room_R = [self.forward_rows_capacity(placement, r) for r in range(self.world)]
+            try:
+                bounded = assign(forward_SE, placement, room_R)
+            except ValueError:
+                raise err from None
+            return bounded, chunks(bounded)
 
     # ------------------------------------------------------------------ backward
     def kept_capacity(self, placement: Placement) -> list[int]:

@@ -79,6 +79,11 @@ class Placement:
         return self._owned_R[rank]
 
     @cached_property
+    def owned_counts(self) -> tuple[int, ...]:
+        """How many experts each rank owns."""
+        return tuple(len(o) for o in self._owned_R)
+
+    @cached_property
     def _owned_R(self) -> tuple[tuple[int, ...], ...]:
         """:meth:`owned` of every rank, computed once (the planners ask per rank, per call)."""
         owner = self.owner_E.tolist()

@@ -1,19 +1,19 @@
 """LayerPlanner: every planning decision of one MoE layer, pure and deterministic.
 
-One planner per layer observes the load, owns the placement (replicas re-planned between
-steps, or per call), and turns each call's global per-(source rank, expert) counts into a
-:class:`CallPlan`: placement, forward assignment of pairs to copies, forward chunk rows within
-the budget, and for a selective backward the kept capacities and quotas. It runs no
+One planner per layer observes the load, owns the placement, and turns each call's global
+per-(source rank, expert) counts into a :class:`~lrmoe.planning.call_plan.CallPlan`. It runs no
 collective and touches no tensor of the model: every rank computes the same plan from the same
-counts. :class:`lrmoe.layer.MoELayer` and the simulator (``lrmoe.sim.plan``) drive the same
-object, so what the simulator projects is what the layer does. Which planner and assignment
-rule apply is read from the :class:`~lrmoe.systems.SystemSpec` (docs/design.md "Systems").
+counts, and the layer and the simulator drive the same object. The spec says what applies
+(docs/design.md "Systems"): the placement strategy (:mod:`lrmoe.planning.strategies`) decides
+where copies live, the assignment rule (:mod:`lrmoe.planning.pair_rules`) which copy computes
+which pairs; the planner decides when (between steps, or per call).
 
 Under a memory cap (``ClusterBudget(memory_bytes=M)``) every system lives within M by the one
-byte model (docs/design.md "The paper's regime"). ``lrmoe`` plans through its controller. For
-every other system the planner predicts each rank's peak from the call's plan with
-:func:`lrmoe.memory.bytes.expert_side_peak` (the layer's meter replayed on numbers) before any row
-moves:
+byte model (docs/design.md "The paper's regime"). ``lrmoe`` plans through its controller
+(:mod:`lrmoe.planning.controller`; its replica count: :mod:`lrmoe.planning.replica_search`). For
+every other system a :class:`~lrmoe.planning.cap_fit.CapFitter` predicts each rank's peak from
+the call's plan (:mod:`lrmoe.planning.peaks`, the layer's meter replayed on numbers) before any
+row moves, and the planner adopts the plan it finds:
 
 - a rank whose rows do not fit at once computes its forward in the largest chunks that do,
   where the system keeps no activations to the backward (static and capacity keep them, so
@@ -32,48 +32,30 @@ moves:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.memory.bytes import ByteModel, expert_param_bytes
-from lrmoe.planning import replication as planners
+from lrmoe.memory.bytes import ByteModel
+from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.assignment import PairAssignment
-from lrmoe.planning.balance import min_peak_assignment
-from lrmoe.planning.cap_fit import CapFitting
+from lrmoe.planning.call_plan import CallPlan
+from lrmoe.planning.cap_fit import CapFitter
 from lrmoe.planning.controller import Controller
-from lrmoe.planning.placement import Placement, plan_replicas
-from lrmoe.planning.replica_search import ReplicaSearch
-from lrmoe.planning.replication import CostModel
-from lrmoe.selection.selections import fixed_ratio_quota
-from lrmoe.systems import Assignment, PlacementKind, Planner, SystemSpec
-
-ADAM_STATES = planners.ADAM_STATES  # optimizer_bytes assumes Adam(W): two moments per owned parameter
-SMARTMOE_POOL = 4  # placements in SmartMoE's offline pool
-SMARTMOE_WARMUP = 20  # without a given trace, SmartMoE records this many calls' loads first
-FLEXMOE_HORIZON = 10  # steps a FlexMoE re-placement is expected to last when weighing its cost
-
-
-@dataclass(frozen=True)
-class CallPlan:
-    """What one layer call does, identical on every rank."""
-
-    placement: Placement
-    counts_SE: torch.Tensor  # int64 (W, E) routed pairs per source rank and expert
-    forward_SE: torch.Tensor  # pairs the forward computes (a capacity factor drops the rest)
-    assignment: PairAssignment  # forward pairs of expert e from source s computed at r
-    chunk_rows_R: list[int] | None  # rows each rank may compute at once (None: every rank all at once)
-    kept_capacity_R: list[int] | None  # backward rows each rank may keep (None: unbounded)
-    quota_E: torch.Tensor | None  # selective backward: pairs each expert keeps
-    fetch: bool  # the call placed new copies: fetch them before the forward (collective)
-    stats: dict = field(default_factory=dict)  # the plan's own figures (shadows, replicas, ...)
-    peak_R: list[int] | None = None  # predicted expert-side peak per rank (a capped non-controller system)
-    keep: str | None = None  # a compacting training call: what its expert side keeps (meter.KEEP_MODES)
+from lrmoe.planning.cost import CostModel
+from lrmoe.planning.figures import PlanFigures
+from lrmoe.planning.pair_rules import assign_pairs
+from lrmoe.planning.peaks import Fit, RankPeaks
+from lrmoe.planning.placement import Placement
+from lrmoe.planning.quota_ratio import fixed_ratio_quota
+from lrmoe.planning.replica_search import ReplicaCountSearch
+from lrmoe.planning.strategies import StrategyInputs, strategy_for
+from lrmoe.systems import PlacementKind, Planner, SystemSpec
 
 
-class LayerPlanner(CapFitting, ReplicaSearch):
+class LayerPlanner:
     """Placement state and per-call plans of one layer (see the module docstring)."""
 
     def __init__(self, spec: SystemSpec, config: MoEConfig, world: int, rank: int = 0,
@@ -86,16 +68,12 @@ class LayerPlanner(CapFitting, ReplicaSearch):
         self.replan_interval = 1 if spec.replan_every_step else replan_interval
         self.load_ema = load_ema
         self.node_of = budget.node_of(world) if budget is not None else None
-        self.base = Placement.static(config.num_experts, world)
-        self.placement = self.base
+        self.base = self.placement = Placement.static(config.num_experts, world)
         self.memory_R, _, self.fixed_slots_R = budget.per_rank(world) if budget is not None else (None, None, None)
         use_controller = self.memory_R is not None and spec.planner is Planner.CONTROLLER
         self.controller = Controller(config, budget, world) if use_controller else None
-        self._replica_k: int | None = None  # lrmoe: the extra slots its last cost search chose
         if use_controller:  # replicas follow the load every step; their number is searched every replan_interval
-            self.search_interval, self.replan_interval = replan_interval, 1
-        # a cap this planner keeps every call within by the byte model (lrmoe: its controller does)
-        self.capped = self.memory_R is not None and self.controller is None
+            self.replan_interval = 1
         self.bytes = ByteModel.of(config, spec.selective)
         link = budget.inter_node_gbps if budget is not None and budget.inter_node_gbps else CostModel.link_gbps
         self.costs = CostModel(config.dim, config.ffn_dim, config.torch_dtype.itemsize, link_gbps=link)
@@ -103,21 +81,33 @@ class LayerPlanner(CapFitting, ReplicaSearch):
         self.slots_R = None if self.default_slots_R is None else list(self.default_slots_R)
         self.load_E = torch.ones(config.num_experts, dtype=torch.float64)
         self.steps = 0
-        self.bound_optimizer_bytes = 0  # flexmoe: modelled, not moved (docs/systems.md)
         self._last_SE: torch.Tensor | None = None  # the last training call's rows (a capped re-plan's prediction)
-        self._trace: list[torch.Tensor] = []  # smartmoe without a given trace: its own first loads
-        self._pool = None if routing_trace is None else self._build_pool(torch.as_tensor(routing_trace))
-        if self.capped:
-            self._check_owned()
+        self.strategy = strategy_for(spec.planner, StrategyInputs(self.base, config, rank, self.costs, self.node_of,
+                                                                  self.default_slots_R, routing_trace))
+        # peaks predicted under a cap; a fitter where this planner keeps every call within it
+        # (lrmoe's controller plans within its budget itself)
+        self.peaks = None if self.memory_R is None else RankPeaks(spec, config, world, self.memory_R)
+        self.fitter = None
+        if self.peaks is not None and self.controller is None:
+            self.fitter = CapFitter(self.peaks, self.assign, self.base, self.fixed_slots_R is not None,
+                                    self.default_slots_R is not None or self.strategy.varies_copies)
+            self.fitter.check_owned()
+        self.search = None if self.controller is None else ReplicaCountSearch(
+            self.base, self.controller, self.costs, self.bytes.slot_params, self.default_slots_R, replan_interval,
+            self.assign)
         if self.keeps_replicas:
             self._replan()
+
+    @property
+    def capped(self) -> bool:
+        """A cap this planner keeps every call within by the byte model (lrmoe: its controller does)."""
+        return self.fitter is not None
 
     # ---------------------------------------------------------------- placement
     @property
     def keeps_replicas(self) -> bool:
         """Replicas live across calls (refreshed after each optimizer step)."""
-        return self.slots_R is not None and self.spec.placement is not PlacementKind.PER_CALL \
-            and self.spec.placement is not PlacementKind.SHARDED
+        return self.slots_R is not None and self.spec.placement not in (PlacementKind.PER_CALL, PlacementKind.SHARDED)
 
     def _plan_slots(self) -> list[int] | None:
         """Expert slots per rank for the replicated systems (the most a cap may leave them);
@@ -130,98 +120,57 @@ class LayerPlanner(CapFitting, ReplicaSearch):
             return list(self.fixed_slots_R)
         # SYMI default: half as many replica slots as owned experts (at least one); for laer the
         # experts a rank may assemble in one call
-        owned = [len(self.base.owned(r)) for r in range(self.world)]
-        return [o + max(1, math.ceil(o / 2)) for o in owned]
+        return [o + max(1, math.ceil(o / 2)) for o in self.base.owned_counts]
 
     def _step_placement(self, slots_R: list[int]) -> Placement:
-        """A per-step planner's placement within ``slots_R`` (pure: adopted by :meth:`_adopt`)."""
-        planner = self.spec.planner
-        if planner is Planner.FLEXMOE:
-            current = self._trim(self.placement, slots_R)
-            return planners.flexmoe_replan(current, self.load_E, slots_R, self.costs, FLEXMOE_HORIZON)[0]
-        if planner is Planner.SMARTMOE:
-            chosen = self.placement if self._pool is None else self._pool[planners.pick_from_pool(self._pool,
-                                                                                                 self.load_E)]
-            return self._trim(chosen, slots_R)
-        node_of = self.node_of if planner is Planner.NODE_AWARE else None
-        return plan_replicas(self.base, self.load_E, slots_R, node_of)
-
-    def _trim(self, placement: Placement, slots_R: list[int]) -> Placement:
-        """``placement`` with, on every rank over its slots, its coldest replicas (least smoothed
-        load per copy) dropped."""
-        load = self.load_E.tolist()
-        keep = []
-        for r in range(self.world):
-            room = max(slots_R[r] - len(self.base.owned(r)), 0)
-            mine = sorted(placement.replicas(r), key=lambda e: (-load[e] / len(placement.holders(e)), e))
-            keep.append(mine[:room])
-        return self.base.with_replicas(keep)
+        """The strategy's placement between steps within ``slots_R`` (pure: adopted by :meth:`_adopt`)."""
+        return self.strategy.step_placement(self.placement, self.load_E, slots_R)
 
     def _replan(self) -> None:
         """Re-plan replicas from the smoothed load (between steps); under a cap, with the most
         slots (up to the default) whose plan fits the last call's rows."""
-        if self.spec.planner is Planner.SMARTMOE and self._pool is None and len(self._trace) >= SMARTMOE_WARMUP:
-            self._pool = self._build_pool(torch.stack(self._trace))
-        if self.capped and self.fixed_slots_R is None and self._last_SE is not None:
-            fit, self.slots_R, _ = self._search_slots(self._step_placement, self.default_slots_R, self._last_SE, True)
-            self._adopt(fit.placement if fit is not None else self._step_placement(self.slots_R))
-        elif self.controller is not None and self.fixed_slots_R is None:
-            self._adopt(self._controller_replicas())
+        self.strategy.before_replan()
+        if self.fitter is not None and self.fixed_slots_R is None and self._last_SE is not None:
+            found = self.fitter.search_slots(self._step_placement, self.default_slots_R, self._last_SE, True)
+            self.slots_R = found.slots
+            self._adopt(found.fit.placement if found.fit is not None else self._step_placement(self.slots_R))
+        elif self.search is not None and self.fixed_slots_R is None:
+            self._adopt(self.search.choose(self.load_E, self._last_SE, self.steps))
         else:
             self._adopt(self._step_placement(self.slots_R))
 
     def _adopt(self, placement: Placement) -> None:
-        """Make ``placement`` this layer's replica plan (flexmoe: the optimizer state it binds)."""
-        if self.spec.planner is Planner.FLEXMOE:
-            # the optimizer state this rank, as owner, would send along with its experts' new copies
-            owner_E = self.base.owner_E
-            sent = sum(int(owner_E[e]) == self.rank for new, was in zip(placement.slots, self.placement.slots)
-                       for e in set(new) - set(was))
-            self.bound_optimizer_bytes += sent * ADAM_STATES * expert_param_bytes(
-                self.config.dim, self.config.ffn_dim, self.config.torch_dtype.itemsize)
+        """Make ``placement`` this layer's replica plan."""
+        self.strategy.adopted(self.placement, placement)
         self.placement = placement
         if self.controller is not None:
             self.controller.check_slots(self.placement)
 
-    def _build_pool(self, trace_NE: torch.Tensor) -> list[Placement]:
-        """SmartMoE's offline pool of placements from a (calls, E) load trace."""
-        return planners.placement_pool(trace_NE, self.base, self.default_slots_R, SMARTMOE_POOL)
+    def _may_replan_in_call(self, training: bool) -> bool:
+        return training and self.keeps_replicas and self.fixed_slots_R is None  # (fixed slots stay as given)
 
-    def _shadow_placement(self, shadow: list[int]) -> Placement:
-        """FasterMoE: every shadowed expert copied to every rank."""
-        owner_E = self.base.owner_E
-        return self.base.with_replicas([[e for e in shadow if int(owner_E[e]) != r] for r in range(self.world)])
-
-    def _call_placement(self, counts_SE: torch.Tensor, slots_R: list[int]) -> Placement:
-        """Per-call slot planners: laer's assembled experts or ultraep's replicas within ``slots_R``."""
-        counts_E = counts_SE.sum(0)
-        if self.spec.planner is Planner.LAER:  # assembled in the routed forward, from the slices
-            return planners.laer_layout(counts_E, self.base, slots_R)
-        # replica counts ∝ this call's load; per-replica quotas by assign_min_peak (UltraEP)
-        return plan_replicas(self.base, counts_E.to(torch.float64), slots_R)
-
-    def _call_stats(self, placement: Placement, shadowed: int = 0) -> dict:
-        planner = self.spec.planner
-        if planner is Planner.LAER:
-            return {"assembled_experts": placement.num_copies}
-        if planner is Planner.SHADOW:
-            return {"shadowed_experts": shadowed}
-        return {"replicas": placement.num_copies - self.config.num_experts}
-
-    def _place_call(self, counts_SE: torch.Tensor) -> dict:
-        """Per-call planners without a cap: this call's placement from its own counts. Returns its stats."""
-        if self.spec.planner is Planner.SHADOW:
-            shadow = planners.shadow_experts(counts_SE, self.base, self.costs)
-            self.placement = self._shadow_placement(shadow)
-            return self._call_stats(self.placement, len(shadow))
-        self.placement = self._call_placement(counts_SE, self.slots_R)
-        return self._call_stats(self.placement)
+    def _replan_in_call(self, forward_SE: torch.Tensor, failed: list[Fit]) -> Fit:
+        """The one re-plan inside a training call whose forward does not fit the replicas of the
+        last step: the replicas re-planned by this call's rows (lrmoe: its replica-count search
+        over every candidate; the others: the most slots that fit), adopted, and the call fitted
+        on them. The new copies are fetched before any row moves. Raises
+        :class:`MemoryBudgetExceeded` where no re-plan fits (``failed``: the plans tried before)."""
+        if self.controller is not None:
+            self._adopt(self.search.choose(self.load_E, self._last_SE, self.steps, in_call=True))
+            assignment, chunks = self.controller.fit_forward(
+                forward_SE, self.placement, self.assign(forward_SE, self.placement), self.assign)
+            return Fit(self.placement, assignment, chunks, None, True)
+        found = self.fitter.search_slots(self._step_placement, self.default_slots_R, forward_SE, True)
+        if found.fit is None:
+            raise self.fitter.exceeded(failed + found.failed)
+        self.slots_R = found.slots
+        self._adopt(found.fit.placement)
+        return found.fit
 
     def observe(self, counts_E: torch.Tensor) -> None:
-        """A training call's global load enters the smoothed load (and smartmoe's trace)."""
+        """A training call's global load enters the smoothed load (and the strategy's own record)."""
         self.load_E = self.load_ema * self.load_E + (1 - self.load_ema) * counts_E.to(torch.float64)
-        if self.spec.planner is Planner.SMARTMOE and self._pool is None:
-            self._trace.append(counts_E.to(torch.float64))
+        self.strategy.observe(counts_E)
 
     def step_end(self) -> bool:
         """After an optimizer step: re-plan when due. Returns whether replicas must be refreshed."""
@@ -233,11 +182,14 @@ class LayerPlanner(CapFitting, ReplicaSearch):
         return True
 
     def take_bound_optimizer_bytes(self) -> int | None:
-        """flexmoe: modelled optimizer bytes bound to new copies since the last take; else None."""
-        if self.spec.planner is not Planner.FLEXMOE:
-            return None
-        out, self.bound_optimizer_bytes = self.bound_optimizer_bytes, 0
-        return out
+        """Optimizer bytes bound to new copies since the last take (modelled, not moved); None
+        for systems that move no optimizer state."""
+        return self.strategy.take_bound_optimizer_bytes()
+
+    @property
+    def replica_count_chosen(self) -> bool:
+        """lrmoe: its replica-count search has run once (the first scores every candidate)."""
+        return self.search is not None and self.search.chosen
 
     # ---------------------------------------------------------------- per call
     def forward_quota(self, counts_SE: torch.Tensor) -> torch.Tensor | None:
@@ -250,18 +202,8 @@ class LayerPlanner(CapFitting, ReplicaSearch):
 
     def assign(self, counts_SE: torch.Tensor, placement: Placement,
                capacity_R: list[int] | None = None) -> PairAssignment:
-        """Where each pair is computed: single copies go to their owner; replicated experts are spread min-peak
-        (shadowed experts compute where their pairs are; node-aware systems then re-match
-        sources to holders to keep pairs inside their node)."""
-        rule = self.spec.assignment
-        if rule is Assignment.LOCAL:
-            return planners.local_assignment(counts_SE, placement)
-        if placement.owners_only:
-            return placement.owner_assignment(counts_SE)
-        assignment = min_peak_assignment(counts_SE.t(), placement.holder_index, capacity_R)
-        if rule is Assignment.LOCALIZED:
-            assignment = planners.localize(assignment, self.node_of)
-        return assignment
+        """Where each pair is computed (:func:`~lrmoe.planning.pair_rules.assign_pairs` by the spec's rule)."""
+        return assign_pairs(self.spec.assignment, counts_SE, placement, capacity_R, self.node_of)
 
     def plan_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor | None = None,
                   training: bool = True) -> CallPlan:
@@ -272,43 +214,66 @@ class LayerPlanner(CapFitting, ReplicaSearch):
         forward_SE = counts_SE if forward_SE is None else forward_SE
         if training:
             self.observe(counts_SE.sum(0))
-            if self.capped or self.controller is not None:
+            if self.peaks is not None:
                 self._last_SE = forward_SE.clone()
-        per_call = self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED)
-        fetch = self.spec.placement is PlacementKind.PER_CALL
-        chunk_rows_R = kept_capacity_R = quota_E = peak_R = None
-        if self.capped:
-            fit, stats, replanned = self._fit_call(counts_SE, forward_SE, training)
-            placement, assignment, chunk_rows_R, peak_R = fit.placement, fit.assignment, fit.chunk_rows_R, fit.peak_R
-            fetch = fetch or replanned
+        if self.fitter is not None:
+            fit, figures, replanned = self._fit_call(counts_SE, forward_SE, training)
         else:
-            stats = self._place_call(counts_SE) if per_call else {}
-            placement = self.placement
-            assignment = self.assign(forward_SE, placement)
-            if self.controller is not None:
-                try:
-                    assignment, chunk_rows_R = self._controller_forward(forward_SE, placement, assignment)
-                except MemoryBudgetExceeded:
-                    if not (training and self.keeps_replicas and self.fixed_slots_R is None):
-                        raise
-                    # re-plan the replicas by this call's rows; the new copies are fetched before any row moves
-                    self._adopt(self._controller_replicas(in_call=True))
-                    placement, fetch = self.placement, True
-                    assignment, chunk_rows_R = self._controller_forward(forward_SE, placement,
-                                                                        self.assign(forward_SE, placement))
+            fit, figures, replanned = self._free_call(counts_SE, forward_SE, training)
+        placement = fit.placement
+        kept_capacity_R = quota_E = keep = None
         if self.spec.selective and training:
             kept_capacity_R = self.controller.kept_capacity(placement) if self.controller is not None else None
             quota_E = self.quotas(counts_SE.sum(0), placement, kept_capacity_R)
-        keep = None
         if self.spec.compacts and training:
-            keep = stats["keep_mode"] = self.keep_mode(placement, assignment, chunk_rows_R, quota_E)
-        stats["replica_slots"] = len(placement.slots[self.rank])
-        if self.memory_R is not None:
-            stats["memory_cap_bytes"] = self.memory_R[self.rank]
-        if peak_R is not None:
-            stats["predicted_peak_bytes"] = peak_R[self.rank]
-        return CallPlan(placement, counts_SE, forward_SE, assignment, chunk_rows_R, kept_capacity_R, quota_E,
-                        fetch, stats, peak_R, keep)
+            keep = self._keep_mode(placement, fit.assignment, fit.chunk_rows_R, quota_E)
+        figures = replace(figures, keep_mode=keep, replica_slots=len(placement.slots[self.rank]),
+                          memory_cap_bytes=None if self.memory_R is None else self.memory_R[self.rank],
+                          predicted_peak_bytes=None if fit.peak_R is None else fit.peak_R[self.rank])
+        fetch = self.spec.placement is PlacementKind.PER_CALL or replanned
+        return CallPlan(placement, counts_SE, forward_SE, fit.assignment, fit.chunk_rows_R, kept_capacity_R, quota_E,
+                        fetch, figures, fit.peak_R, keep, self.spec.assignment, self.node_of)
+
+    def _fit_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
+                  ) -> tuple[Fit, PlanFigures, bool]:
+        """A capped call's plan within the cap: (plan, its figures, whether a per-step placement
+        was re-planned inside the call). Raises :class:`MemoryBudgetExceeded` where none fits."""
+        if self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED):
+            fit, figures = self.strategy.fit_call(counts_SE, self.slots_R, self.fitter, forward_SE, training)
+            self.placement = fit.placement
+            return fit, figures, False
+        fit = self.fitter.fit(forward_SE, self.placement, training)
+        if fit.ok:
+            return fit, PlanFigures(), False
+        if not self._may_replan_in_call(training):
+            raise self.fitter.exceeded([fit])
+        return self._replan_in_call(forward_SE, [fit]), PlanFigures(replanned_in_call=True), True
+
+    def _free_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
+                   ) -> tuple[Fit, PlanFigures, bool]:
+        """A call no cap fitting bounds: per-call systems place it from its own counts; lrmoe's
+        controller chunks its forward within the budget (re-planning replicas inside a training
+        call whose forward does not fit)."""
+        figures = PlanFigures()
+        if self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED):
+            self.placement, figures = self.strategy.place_call(counts_SE, self.slots_R)
+        assignment = self.assign(forward_SE, self.placement)
+        if self.controller is None:
+            return Fit(self.placement, assignment, None, None, True), figures, False
+        try:
+            assignment, chunks = self.controller.fit_forward(forward_SE, self.placement, assignment, self.assign)
+        except MemoryBudgetExceeded:
+            if not self._may_replan_in_call(training):
+                raise
+            return self._replan_in_call(forward_SE, []), figures, True
+        return Fit(self.placement, assignment, chunks, None, True), figures, False
+
+    def _keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
+                   quota_E: torch.Tensor) -> str:
+        """What a compacting backward's expert side keeps (:func:`lrmoe.planning.peaks.keep_mode`)."""
+        network_R = self.controller.network_R if self.controller is not None else None
+        return peak_model.keep_mode(self.peaks, placement, assignment, chunk_rows_R, quota_E, network_R,
+                                    self.backward.local)
 
     def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None) -> torch.Tensor:
         """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone."""
@@ -320,16 +285,15 @@ class LayerPlanner(CapFitting, ReplicaSearch):
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict:
         return {"load_E": self.load_E.clone(), "steps": self.steps,
-                "slots": [list(s) for s in self.placement.slots], "trace": [t.clone() for t in self._trace],
-                "replica_k": self._replica_k}
+                "slots": [list(s) for s in self.placement.slots], "trace": self.strategy.trace,
+                "replica_k": None if self.search is None else self.search.k}
 
     def load_state(self, state: dict) -> None:
         self.load_E = state["load_E"].clone()
         self.steps = int(state["steps"])
-        self._trace = [t.clone() for t in state.get("trace", [])]
-        self._replica_k = state.get("replica_k")
-        if self.spec.planner is Planner.SMARTMOE and len(self._trace) >= SMARTMOE_WARMUP:
-            self._pool = self._build_pool(torch.stack(self._trace))
+        self.strategy.load_trace(state.get("trace", []))
+        if self.search is not None:
+            self.search.k = state.get("replica_k")
         if self.keeps_replicas:
             owner_E = self.base.owner_E
             replicas = [[e for e in s if int(owner_E[e]) != r] for r, s in enumerate(state["slots"])]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from heapq import heapify, heappop, heapreplace
 
 import numpy as np
+import torch
 
 
 def quota_array(c: np.ndarray, rho: float) -> np.ndarray:
@@ -22,6 +23,15 @@ def quota_of(c: int, rho: float) -> int:
         return 0
     q = -(-(rho * float(c) - 1e-6) // 1.0)  # ceil, as a float like np.ceil
     return int(min(max(q, 1.0), float(c)))
+
+
+def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float) -> torch.Tensor:
+    """q_e = min(c_e, max(1, ceil(ρ·c_e − 1e-6))) for c_e > 0, else 0 (float64; the epsilon
+    keeps 0.1·30 from becoming 4)."""
+    c = counts_E.to(torch.float64)
+    q = torch.clamp(torch.ceil(ratio * c - 1e-6), min=1.0)
+    q = torch.minimum(q, c)
+    return torch.where(counts_E > 0, q, torch.zeros_like(q)).to(torch.long)
 
 
 _GRID = 2.0**-50  # largest_ratio's bisection settles on a multiple of this

@@ -25,14 +25,35 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lrmoe.config import BackwardConfig
 from lrmoe.parallel.comm import to_device
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
-from lrmoe.selection.selections import largest_remainder
+from lrmoe.selection.sampling import group_sizes, order_by_group_then_key, position_in_block, sample, segment_cumsum
+
+
+def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
+    """Split total_E[e] over ranks in proportion to counts_SE[:, e]; floors, then the largest
+    remainders (ties: lower rank) get one more. Sums exactly to total_E (capped at the counts'
+    sum). Integer arithmetic: within an expert the remainders share a denominator, so they
+    compare exactly and every rank derives the same split."""
+    c = np.asarray(counts_SE, dtype=np.int64)
+    sum_E = c.sum(0)
+    t_E = np.minimum(np.asarray(total_E, dtype=np.int64), sum_E)
+    share, rem = np.divmod(t_E * c, np.maximum(sum_E, 1))
+    missing_E = t_E - share.sum(0)
+    short = np.flatnonzero(missing_E)  # experts with remainders to hand out
+    if len(short):
+        W = c.shape[0]
+        key = rem[:, short] * W + np.arange(W - 1, -1, -1)[:, None]  # distinct in a column: ties to the lower rank
+        order = np.argsort(-key, axis=0)  # ranks by remainder
+        # the first missing_e of each column get one more (a rank with a remainder is below its count)
+        share[order, short] += np.arange(W)[:, None] < missing_E[short]
+    return torch.from_numpy(share)
 
 
 @dataclass(frozen=True)
-class StrataPlan:
+class StrataCounts:
     """The kept counts one rank needs for one backward (host; planned from the counts alone,
     identically on every rank: each rank's figures are the others' view of it)."""
 
@@ -50,16 +71,16 @@ class StrataPlan:
 
 @dataclass(frozen=True)
 class Strata:
-    """A :class:`StrataPlan` with this rank's strata laid out on the device."""
+    """A :class:`StrataCounts` with this rank's strata laid out on the device."""
 
-    plan: StrataPlan
+    counts: StrataCounts
     group_N: torch.Tensor  # int64 (N,): stratum of each pair in the forward's send order, ascending
     start_N: torch.Tensor  # int64 (N,): where each pair's stratum starts in that order
     share_G: torch.Tensor  # int64 (G,): pairs each stratum keeps
 
 
 def plan_strata(assignment: PairAssignment, placement: Placement, counts_SE: torch.Tensor, quota_E: torch.Tensor,
-                rank: int) -> StrataPlan:
+                rank: int) -> StrataCounts:
     """The kept counts of a local selection under a forward ``assignment`` covering every pair:
     of :meth:`PairAssignment.restricted`, only this rank's source column and its own experts'
     entries are computed."""
@@ -74,16 +95,17 @@ def plan_strata(assignment: PairAssignment, placement: Placement, counts_SE: tor
     here = assignment.rank_H[entries] == rank
     received_SL = np.zeros((assignment.world, len(slots)), np.int64)
     received_SL[:, slot_WE[rank, assignment.expert_H[entries[here]]]] = rows_NS[here].T
-    return StrataPlan(kept_SE, assignment.rows_HS[order_H, rank], sent_H[order_H], send_R,
+    return StrataCounts(kept_SE, assignment.rows_HS[order_H, rank], sent_H[order_H], send_R,
                       torch.from_numpy(received_SL))
 
 
-def strata_on(plan: StrataPlan, device: torch.device) -> Strata:
-    """Lay ``plan``'s strata out over this rank's pairs on ``device`` (no device→host read)."""
-    sizes = to_device(torch.from_numpy(plan.sizes_G), device)
-    N, G = int(plan.sizes_G.sum()), len(plan.sizes_G)
+def strata_on(counts: StrataCounts, device: torch.device) -> Strata:
+    """Lay ``counts``' strata out over this rank's pairs on ``device`` (no device→host read)."""
+    sizes = to_device(torch.from_numpy(counts.sizes_G), device)
+    N, G = int(counts.sizes_G.sum()), len(counts.sizes_G)
     group_N = torch.repeat_interleave(torch.arange(G, device=device), sizes, output_size=N)
-    return Strata(plan, group_N, (sizes.cumsum(0) - sizes)[group_N], to_device(torch.from_numpy(plan.share_G), device))
+    share_G = to_device(torch.from_numpy(counts.share_G), device)
+    return Strata(counts, group_N, (sizes.cumsum(0) - sizes)[group_N], share_G)
 
 
 def kept_positions(keep_N: torch.Tensor, count: int) -> torch.Tensor:
@@ -93,3 +115,42 @@ def kept_positions(keep_N: torch.Tensor, count: int) -> torch.Tensor:
     out = torch.empty(count + 1, dtype=torch.long, device=keep_N.device)
     out[slot] = torch.arange(keep_N.numel(), device=keep_N.device)
     return out[:count]
+
+
+def select_in_strata(scores_N: torch.Tensor, group_N: torch.Tensor, share_G: torch.Tensor, cfg: BackwardConfig,
+                     generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A local selection (``cfg.local``) of this rank's pairs, kept exactly ``share_G[g]`` in
+    each stratum g (``group_N``: each pair's stratum, ascending; lrmoe.selection.strata). No exchange and
+    no device→host read: the shares are fixed by the counts, so every rank already knows how
+    many rows each stratum sends.
+
+    ``local-sampled`` draws each stratum's share with π ∝ score^power (weights 1/π: unbiased
+    for the stratum's sum, hence for the expert's); ``local`` keeps each stratum's top share by
+    score. Non-finite scores go first, in pair order; where they alone exceed a share, the
+    share is kept and ``nonfinite`` (a 0-dim bool tensor, read when the stats are) is set. The
+    broken gradient stays visible: a non-finite score means a non-finite routing weight, g or h,
+    and the router gradient, exact for every pair, carries it.
+
+    Returns (keep_N, scale_N: 1/π of kept pairs, 0 elsewhere, or None for ``local``, nonfinite).
+    """
+    G = share_G.numel()
+    finite = torch.isfinite(scores_N)
+    bad = (~finite).long()
+    nf_G = torch.zeros(G, dtype=torch.long, device=scores_N.device).index_add_(0, group_N, bad)
+    nf_rank, _ = segment_cumsum(bad, group_N, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite pairs
+    keep_nf = ~finite & (nf_rank <= share_G[group_N])
+    rest_G = torch.cat([(share_G - nf_G).clamp(min=0), share_G.new_zeros(1)])  # stratum G: the non-finite pairs
+    rest_group = torch.where(finite, group_N, G)
+    key_N = torch.where(finite, scores_N, torch.zeros_like(scores_N))
+    if cfg.selection == "local-sampled":
+        u_G = to_device(torch.rand(G + 1, generator=generator, dtype=torch.float64), scores_N.device)
+        keep_f, pi_N = sample(key_N.pow(cfg.score_power), rest_group, rest_G, u_G, cfg.p_min)
+        scale = torch.where(keep_f, 1.0 / pi_N.clamp(min=1e-300), keep_nf.to(pi_N.dtype))
+    else:  # local: each stratum's top share by score, ties by pair order
+        order = order_by_group_then_key(rest_group, key_N)
+        pos = position_in_block(rest_group[order], group_sizes(rest_group, G + 1))
+        keep_f = torch.zeros_like(finite)
+        keep_f[order] = pos < rest_G[rest_group[order]]
+        scale = None
+    return keep_f | keep_nf, scale, (nf_G > share_G).any()

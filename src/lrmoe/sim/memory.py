@@ -1,11 +1,12 @@
 """Expert-side memory of one rank in one layer call, analytically (docs/design.md "Expert-side memory").
 
-:func:`expert_side_peak` and :class:`RankWork` live in :mod:`lrmoe.memory.bytes`, where the layer's
+:func:`expert_side_peak` and :class:`RankWork` live in :mod:`lrmoe.memory.replay`, where the layer's
 planner uses them to keep a call within a memory cap; they are re-exported here. They replay
-the layer's :class:`lrmoe.memory.bytes.MemoryMeter` on numbers instead of tensors, the same holds and
-drops in the same order, so for the rows a rank receives they give exactly
-``layer.last_stats["peak_expert_side_bytes"]`` (tests/test_simulate.py and
-tests/test_memory_cap.py check it against the real layer). The simulator applies them at paper
+the layer's :class:`lrmoe.memory.meter.MemoryMeter` on numbers instead of tensors, the same
+holds and drops in the same order, so for the rows a rank receives they give exactly
+``layer.last_stats["peak_expert_side_bytes"]`` (the simulator's and the memory cap's tests check
+it against the real layer). What is kept from forward to backward is
+:func:`lrmoe.memory.bytes.kept_to_backward`'s, the one rule the layer follows too. The simulator applies them at paper
 scale, where building the tensors is impossible; this module adds what a whole step keeps
 (:func:`kept_between_passes`, :func:`home_bytes`). Byte figures come from
 :class:`lrmoe.memory.bytes.ByteModel`, the layer's own byte model.
@@ -13,7 +14,7 @@ scale, where building the tensors is impossible; this module adds what a whole s
 
 from __future__ import annotations
 
-from lrmoe.memory.bytes import H_SQ_BYTES, KEEP_X, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
+from lrmoe.memory import H_SQ_BYTES, ByteModel, RankWork, expert_side_peak, kept_to_backward
 from lrmoe.systems import SystemSpec, spec_of
 
 __all__ = ["RankWork", "expert_side_peak", "home_bytes", "kept_between_passes"]
@@ -27,9 +28,8 @@ def kept_between_passes(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_
     activations); activations are never kept from a chunked forward."""
     spec = spec_of(system)
     bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
-    acts = (spec.saves_activations or (spec.compacts and keep == KEEP_X_ACTS)) and not chunked
-    rows = spec.saves_rows or (spec.compacts and keep in (KEEP_X, KEEP_X_ACTS))
-    return fwd_rows * ((bm.row if rows else 0) + (bm.fwd_compute if acts else 0))
+    kept = kept_to_backward(spec, keep, chunked)
+    return fwd_rows * ((bm.row if kept.rows else 0) + (bm.fwd_compute if kept.acts else 0))
 
 
 def home_bytes(tokens: int, dim: int, top_k: int, dtype_bytes: int, selective: bool) -> int:

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from lrmoe.config import LOCAL_SELECTIONS, BackwardConfig, ClusterBudget, MoEConfig
-from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.memory import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.planning.planner import LayerPlanner
-from lrmoe.selection.selections import largest_remainder
+from lrmoe.selection.strata import largest_remainder
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.host import PlannerCalls, PlanningReference, host_seconds
 from lrmoe.sim.memory import kept_between_passes
@@ -160,7 +160,7 @@ class SystemPlanner:
                 if keep == KEEP_NOTHING:  # re-spread min-peak within the kept capacities (the layer's rows)
                     t0 = time.perf_counter()
                     with calls:
-                        bwd_SR = planner.assign(kept_SE, plan.placement, plan.kept_capacity_R).rows_SR().numpy()
+                        bwd_SR = plan.assign_kept(kept_SE).rows_SR().numpy()
                     live += time.perf_counter() - t0
                 else:  # computed where the forward computed them (the forward's plan restricted)
                     bwd_SR = plan.assignment.restricted(kept_SE).rows_SR().numpy()

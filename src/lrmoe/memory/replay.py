@@ -1,0 +1,123 @@
+"""The layer's meter replayed on numbers: a rank's expert-side peak over one call, predicted from
+the rows its plan gives it before any row moves (a memory cap's fitting, the controller's keep
+mode, the simulator at paper scale)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lrmoe.memory.bytes import H_SQ_BYTES, KEEP_NOTHING, ByteModel, kept_to_backward
+from lrmoe.systems import SystemSpec, spec_of
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank's expert side handles in one layer call."""
+
+    fwd_rows: int  # rows received for the forward (capacity: the kept ones)
+    bwd_rows: int  # rows received for the backward (lrmoe: kept pairs only)
+    copies: int  # expert copies held (owned + replicas; laer: experts assembled here)
+    owned: int  # experts owned (laer: 0, it owns slices)
+    chunk_rows: int | None = None  # forward computed this many rows at a time; None: all at once
+    world: int = 1
+    replicas_anywhere: bool = False  # some rank holds a replica: gradients are reduced to owners (laer: always)
+    sliced: int = 0  # laer: experts of which this rank holds a 1/world slice (and its gradient)
+    backward: bool = True  # False: a forward-only call (nothing kept, no backward)
+    keep: str = KEEP_NOTHING  # a compacting backward's keep mode (KEEP_MODES); other systems: their spec's
+
+
+class _Replay:
+    """Bytes held and their peak, as :class:`~lrmoe.memory.meter.MemoryMeter` counts them."""
+
+    def __init__(self, base: int) -> None:
+        self.now = self.peak = base
+
+    def hold(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def reach(self, extra: int) -> None:
+        self.peak = max(self.peak, self.now + extra)
+
+    def receive(self, rows: int, row: int, regroup: bool) -> None:
+        """Rows received, reordered slot-major through a second buffer when ``regroup``."""
+        self.now += rows * row
+        self.peak = max(self.peak, self.now + (rows * row if regroup else 0))
+
+
+def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, work: RankWork) -> int:
+    """Peak expert-side bytes of one rank over a layer call's forward and backward: the layer's
+    :class:`~lrmoe.memory.meter.MemoryMeter` replayed on numbers, the same holds and drops in
+    the same order, so it equals ``last_stats["peak_expert_side_bytes"]`` for the rows a rank
+    receives (the memory-cap and simulator tests check it against the real layer).
+
+    The sequence (s = dtype size, R_f forward rows, R_b backward rows, L local copies):
+
+    - base: every local copy's parameters and gradient buffer (``2·3·D·F·s`` each), plus, when
+      the rank holds replicas, the owned weights' second copy in the concatenated slot weights
+      (laer: its slices of every expert and their gradients, plus the assembled copies);
+    - forward (:func:`_forward`): received rows x (``R_f·D·s``; reordered slot-major through a
+      second buffer when the rank has several slots and the world several ranks), then y
+      (``R_f·D·s``) and either the four (R_f, F) activations (gate, up, silu, h) or, when the
+      forward is chunked, one chunk's; ‖h‖² (8 bytes a row) for the selective systems; then what
+      :func:`~lrmoe.memory.bytes.kept_to_backward` does not keep is freed;
+    - backward (:func:`_backward`): dy rows (and, when the backward compacts and kept nothing,
+      the re-sent x rows of kept pairs); a compacting backward that kept x then gathers the kept
+      rows (x, then each saved activation) out of the forward's, dropping each full tensor after
+      its gather (nothing to gather when every row is kept) — after dy, because a local
+      selection's dy message is what says which rows are kept; then the four recomputed
+      activations unless saved, and the replica-gradient send buffer. The kept rows' positions
+      (4 bytes a row in dy's message) or the global selections' one byte per forward row are
+      bookkeeping, like the row plans' indices, and not counted.
+    """
+    spec = spec_of(system)
+    bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
+    slices = 2 * work.sliced * 3 * dim * (ffn_dim // work.world) * dtype_bytes
+    replay = _Replay(bm.slots_held(work.copies, work.owned) + slices)
+    chunked = work.chunk_rows is not None and work.chunk_rows < work.fwd_rows
+    _forward(replay, spec, bm, work, chunked)
+    if work.backward:
+        _backward(replay, spec, bm, work, chunked)
+    return int(replay.peak)
+
+
+def _forward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, chunked: bool) -> None:
+    """x received; y and the activations (or one chunk's) computed; ‖h‖²; what is not kept freed."""
+    Rf, row, acts_row = work.fwd_rows, bm.row, bm.fwd_compute
+    replay.receive(Rf, row, work.world > 1 and work.copies > 1)
+    h_sq = H_SQ_BYTES * Rf if spec.selective else 0
+    if chunked:
+        replay.now += Rf * row + h_sq
+        replay.reach(work.chunk_rows * acts_row)
+    else:
+        replay.hold(Rf * row + Rf * acts_row)
+        replay.hold(h_sq)
+    if not work.backward:
+        return
+    replay.now -= h_sq + Rf * row  # ‖h‖² and y went home
+    kept = kept_to_backward(spec, work.keep, chunked)
+    if not kept.acts and not chunked:
+        replay.now -= Rf * acts_row
+    if not kept.rows:
+        replay.now -= Rf * row
+
+
+def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, chunked: bool) -> None:
+    """dy (and re-sent x) received, kept rows gathered, activations recomputed, replica gradients sent."""
+    Rf, Rb, row, acts_row = work.fwd_rows, work.bwd_rows, bm.row, bm.fwd_compute
+    kept = kept_to_backward(spec, work.keep, chunked)
+    regroup = work.world > 1 and work.copies > 1
+    acts_rows = Rf
+    replay.receive(Rb, row, regroup)  # dy
+    if spec.compacts and not kept.rows:
+        replay.receive(Rb, row, regroup)  # x of the kept pairs, re-sent by their home ranks
+    if spec.compacts and kept.rows and Rb < Rf:  # the kept rows gathered out of the saved ones
+        acts_rows = Rb
+        for size in [row] + ([acts_row // 4] * 4 if kept.acts else []):
+            replay.reach(Rb * size)
+            replay.now += (Rb - Rf) * size
+    replay.reach(0 if kept.acts else Rb * acts_row)
+    if kept.acts:
+        replay.now -= acts_rows * acts_row
+    if work.replicas_anywhere:
+        replay.hold((work.copies - work.owned) * bm.slot_params)  # replica gradients' send buffer (laer: every copy's)

@@ -1,0 +1,111 @@
+"""The routed experts' backward, in stages: select → plan rows → dispatch → compute → return.
+Which selection and row path a call takes was chosen once from its plan
+(:func:`lrmoe.passes.row_paths.choose`); everything else it needs is in the call's record.
+
+The router gradient is exact for every pair: it needs only ⟨g_t, y_te⟩, with y kept at home
+(docs/design.md "What a dropped pair loses"). Replica weight gradients are reduced to their
+owners; sharded systems' slot gradients to the slices' owners.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lrmoe import experts
+from lrmoe.parallel import sharding
+from lrmoe.parallel.comm import Channel
+from lrmoe.parallel.dispatch import to_home
+from lrmoe.passes.record import CallRecord
+from lrmoe.passes.row_paths import BackwardRows, Kept
+from lrmoe.systems import PlacementKind
+
+
+def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                    y_PD: torch.Tensor, h_sq_P: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the routed experts. Returns (dx_TD, dweights_TK, dgate_up, ddown)."""
+    t0 = time.perf_counter()
+    T, K = call.ids_TK.shape
+    channel = call.layer.channel()
+    channel.memory = call.meter
+    g_TD = g_TD.contiguous()
+    # Router gradient, exact for every pair: d out_t / d w_tk = ⟨g_t, y_tk⟩.
+    dweights_TK = torch.bmm(y_PD.view(T, K, x_TD.shape[1]), g_TD.unsqueeze(-1)).squeeze(-1)
+
+    t_select = time.perf_counter()  # scoring, selection exchange and packing
+    kept = call.selector.select(call, g_TD, weights_TK, h_sq_P, channel)
+    rows = call.path.rows(call, kept, channel)
+    factor_P = call.path.factor(weights_TK.reshape(-1), kept)
+    dy_ND = g_TD[rows.layout.pair_idx // K].mul_(factor_P[rows.layout.pair_idx].unsqueeze(1))
+    select_ms = (time.perf_counter() - t_select) * 1e3
+
+    dy_RD, rows_RD = call.path.dispatch(call, dy_ND, x_TD, rows, channel)
+    del dy_ND
+    dx_RD, dgate_up, ddown = compute(call, dy_RD, rows_RD, rows, gate_up, down)
+    del rows_RD, dy_RD
+    dx_TD, dgate_up, ddown = give_back(call, dx_RD, dgate_up, ddown, x_TD, rows, gate_up.shape[0], channel)
+    _report(call, kept, select_ms, dx_RD.shape[0], channel, x_TD, t0)
+    return dx_TD, dweights_TK, dgate_up, ddown
+
+
+def compute(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: BackwardRows, gate_up: torch.Tensor,
+            down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped SwiGLU backward over the received rows (recomputing gate/up/h where the
+    activations were not kept). Returns (dx rows, slot weight gradients)."""
+    meter, saved = call.meter, call.saved
+    acts, saved.acts = saved.acts, None
+    # The expert backward works in place (dh over h, d up over silu, d gate over gate, dx over
+    # dy), so its peak is the four (R, F) activations beside dy and x: already counted when
+    # saved, recomputed otherwise.
+    if acts is None:
+        meter.reach(4 * dy_RD.shape[0] * down.shape[2] * dy_RD.element_size())
+    else:
+        meter.drop(*acts.values())
+    w_gu, w_down = saved.slot_weights or (gate_up, down)
+    saved.slot_weights = None
+    return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, acts)
+
+
+def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: torch.Tensor, ddown: torch.Tensor,
+              x_TD: torch.Tensor, rows: BackwardRows, owned: int, channel: Channel
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx rows home and summed per token; slot weight gradients reduced to the weights' owners
+    (collectives). Returns (dx_TD, gradients of the owned gate_up and down)."""
+    layer, plan, meter = call.layer, call.plan, call.meter
+    dx_home_ND = to_home(dx_RD, rows.layout, channel)
+    dx_TD = torch.zeros_like(x_TD)
+    dx_TD.index_add_(0, rows.layout.pair_idx // call.ids_TK.shape[1], dx_home_ND)
+    if layer.spec.placement is PlacementKind.SHARDED:  # slot gradients summed into the slices' owners
+        meter.hold(dgate_up, ddown)  # the send buffer
+        dgate_up, ddown = sharding.reduce_grads(dgate_up, ddown, plan.placement, layer.rank, channel.group,
+                                                channel.wire, owned)
+    elif plan.placement.num_copies > plan.placement.num_experts:  # replica gradients go to owners
+        meter.hold(dgate_up[owned:], ddown[owned:])  # the send buffer
+        add_gu, add_down = layer.replicas.reduce_grads(dgate_up[owned:], ddown[owned:], plan.placement, layer.rank,
+                                                       channel.group, channel.wire)
+        dgate_up, ddown = dgate_up[:owned] + add_gu, ddown[:owned] + add_down
+    return dx_TD, dgate_up, ddown
+
+
+def _report(call: CallRecord, kept: Kept, select_ms: float, bwd_rows: int, channel: Channel, x_TD: torch.Tensor,
+            t0: float) -> None:
+    """The backward's figures, and the kept set, on the call's record."""
+    stats, wire, spec = call.stats, channel.wire, call.layer.spec
+    T, K = call.ids_TK.shape
+    if spec.selective:
+        stats.nonfinite = kept.nonfinite
+    stats.quota_E, stats.kept_E = kept.quota_E, kept.kept_E
+    stats.bwd_gemm_rows = bwd_rows
+    stats.select_ms = select_ms if spec.selective else 0.0
+    stats.bwd_a2a_bytes, stats.bwd_a2a_recv_bytes = wire.sent, wire.received
+    stats.bwd_a2a_inter_bytes = wire.inter_sent if wire.node_of else None
+    stats.peak_expert_side_bytes = call.meter.peak
+    stats.bwd_ms = (time.perf_counter() - t0) * 1e3
+    if x_TD.is_cuda:  # the allocator's view, for the whole process since the last reset
+        stats.cuda_max_memory_allocated = torch.cuda.max_memory_allocated(x_TD.device)
+    call.kept_TK = torch.ones_like(call.ids_TK, dtype=torch.bool) if kept.keep_P is None else kept.keep_P.view(T, K)
+    call.scale_TK = None if kept.scale_P is None else kept.scale_P.view(T, K)
+    if call.log is not None:
+        call.log.finished_backward(call)

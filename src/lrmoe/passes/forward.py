@@ -1,0 +1,203 @@
+"""The routed experts' forward, in stages: plan → fetch weights → dispatch → compute → combine →
+save. The forward is complete (a forward drop removes its overflow first); what the backward
+needs is left in the call's record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe import experts
+from lrmoe.config import BackwardConfig
+from lrmoe.memory.bytes import kept_to_backward, nbytes
+from lrmoe.memory.meter import MemoryMeter
+from lrmoe.parallel import sharding
+from lrmoe.parallel.comm import Channel, WireCounter
+from lrmoe.parallel.dispatch import to_experts, to_home, to_home_with_norms
+from lrmoe.parallel.rows import row_layout
+from lrmoe.passes import row_paths
+from lrmoe.passes.record import CallRecord
+from lrmoe.planning.cost import ADAM_STATES
+from lrmoe.selection.global_selection import select
+from lrmoe.selection.scores import squared_norms
+from lrmoe.systems import PlacementKind
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """Weights of every local slot (owned experts, then replicas; sharded systems: the experts
+    this call assembled here) and the parameter bytes the call moved to have them."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    moved_bytes: int
+
+
+def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Complete forward of the routed experts. Returns (out_TD, y_PD expert outputs per pair,
+    h_sq_P ‖h‖² per pair or None): the last two stay at home for the backward (router gradient,
+    LRM scores)."""
+    t0 = time.perf_counter()
+    channel = call.layer.channel()
+    plan(call, weights_TK, channel)
+    weights = fetch_weights(call, gate_up, down, channel)
+    rows_RD = dispatch(call, x_TD, channel)
+    y_RD, h_sq_R, acts = compute(call, rows_RD, weights)
+    out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, h_sq_R, channel)
+    del y_RD
+    save(call, rows_RD, acts, weights, gate_up)
+    del acts, rows_RD
+    _report(call, channel, y_PD, weights_TK, h_sq_P, nbytes(gate_up, down), weights.moved_bytes, t0)
+    return out_TD, y_PD, h_sq_P
+
+
+def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
+    """Count exchange (collective), the forward drop's selection if any, and the call's plan."""
+    planner = call.layer.planner
+    E = planner.config.num_experts
+    ids_P = call.ids_TK.reshape(-1)
+    counts_E = torch.bincount(ids_P, minlength=E).cpu()
+    counts_SE = channel.all_gather(counts_E.view(1, E), [1] * planner.world)
+    forward_SE = None
+    quota_E = planner.forward_quota(counts_SE)
+    if quota_E is not None:  # kept: each expert's pairs of highest routing probability
+        sel = select(weights_TK.detach().reshape(-1).to(torch.float64), ids_P, counts_SE, quota_E,
+                     BackwardConfig("lrm"), channel)
+        call.forward_keep_P, forward_SE = sel.keep_P, sel.kept_SE
+    call.plan = planner.plan_call(counts_SE, forward_SE, call.training)
+    call.stats.figures = call.plan.figures
+    if call.training:
+        call.selector, call.path = row_paths.choose(call.layer.spec, call.plan.keep, call.layer.backward.local)
+
+
+def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, channel: Channel) -> SlotWeights:
+    """This call's copies fetched from their owners where the plan placed new ones (collective),
+    the local slots' weights, and the call's meter, which from here on hears of every row the
+    channel delivers."""
+    layer, placement = call.layer, call.plan.placement
+    moved = 0
+    if call.plan.fetch:
+        moved += layer.replicas.refresh(gate_up.detach(), down.detach(), placement, layer.rank, layer.group)
+    if layer.spec.placement is PlacementKind.SHARDED:  # assembled from every rank's slices
+        slices = WireCounter(node_of=layer.planner.node_of)  # placement bytes, not the forward's rows
+        w_gu, w_down = sharding.assemble(gate_up.detach(), down.detach(), placement, layer.rank, channel.group, slices)
+        moved += slices.sent
+        base = 2 * (nbytes(gate_up, down) + nbytes(w_gu, w_down))  # slices and their gradients, assembled and theirs
+    elif len(layer.replicas.experts):
+        w_gu = torch.cat([gate_up, layer.replicas.gate_up_proj])
+        w_down = torch.cat([down, layer.replicas.down_proj])
+        base = 2 * nbytes(w_gu, w_down) + nbytes(gate_up, down)  # every copy and its gradient, plus the
+        # owned weights' second copy inside the concatenated slot weights
+    else:
+        w_gu, w_down = gate_up, down
+        base = 2 * nbytes(w_gu, w_down)
+    call.meter = channel.memory = MemoryMeter(base)
+    return SlotWeights(w_gu, w_down, moved)
+
+
+def dispatch(call: CallRecord, x_TD: torch.Tensor, channel: Channel) -> torch.Tensor:
+    """The forward's row layout, and this rank's x rows sent to the copies that compute them
+    (collective); returns the rows this rank's expert side received, slot-major."""
+    layer, K = call.layer, call.ids_TK.shape[1]
+    call.rows = row_layout(call.ids_TK.reshape(-1), call.plan.assignment, call.plan.placement, layer.rank,
+                           keep_P=call.forward_keep_P)
+    return to_experts(x_TD[call.rows.pair_idx // K], call.rows, channel)
+
+
+def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
+            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]:
+    """The grouped SwiGLU experts over every received row, all at once or, where the plan chunks
+    this rank's forward, ``chunk`` rows at a time (activations dropped after each chunk: a
+    budgeted expert side never holds more than a chunk). Returns (y, ‖h‖² per row for a
+    selective backward, the activations or None when chunked)."""
+    rows, meter = call.rows, call.meter
+    chunk = rows.recv_rows if call.plan.chunk_rows_R is None else call.plan.chunk_rows_R[call.layer.rank]
+    want_h_sq = call.layer.spec.selective
+    if chunk < rows.recv_rows:
+        y_RD, h_sq_R = _chunked(rows_RD, weights, rows.slot_counts, chunk, want_h_sq)
+        meter.hold(y_RD, h_sq_R)
+        meter.reach(chunk * 4 * weights.down.shape[2] * y_RD.element_size())
+        return y_RD, h_sq_R, None
+    y_RD, acts = experts.expert_forward(rows_RD, weights.gate_up, weights.down, rows.slot_counts)
+    meter.hold(y_RD, *acts.values())
+    h_sq_R = squared_norms(acts["h"]) if want_h_sq else None
+    meter.hold(h_sq_R)
+    return y_RD, h_sq_R, acts
+
+
+def _chunked(rows_RD: torch.Tensor, weights: SlotWeights, counts_L: torch.Tensor, chunk: int, want_h_sq: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    R = rows_RD.shape[0]
+    y_RD = rows_RD.new_empty(R, weights.down.shape[1])
+    h_sq = torch.empty(R, dtype=torch.float64, device=rows_RD.device) if want_h_sq else None
+    ends = counts_L.cumsum(0)
+    for a in range(0, R, chunk):
+        b = min(a + chunk, R)
+        part_L = (ends.clamp(max=b) - (ends - counts_L).clamp(min=a)).clamp(min=0)
+        y, acts = experts.expert_forward(rows_RD[a:b], weights.gate_up, weights.down, part_L)
+        y_RD[a:b] = y
+        if want_h_sq:
+            h_sq[a:b] = squared_norms(acts["h"])
+    return y_RD, h_sq
+
+
+def combine(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, y_RD: torch.Tensor,
+            h_sq_R: torch.Tensor | None, channel: Channel
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Expert outputs home (with ‖h‖² for the LRM scores, one message) and the weighted sum per
+    token. Pairs a plan does not carry (dropped by a capacity factor) contribute zero."""
+    rows, meter = call.rows, call.meter
+    T, K = call.ids_TK.shape
+    h_sq_P = None
+    if h_sq_R is not None:
+        y_home_ND, h_sq_N = to_home_with_norms(y_RD, h_sq_R, rows, channel)
+        h_sq_P = torch.empty(T * K, dtype=torch.float64, device=x_TD.device)
+        h_sq_P[rows.pair_idx] = h_sq_N
+        meter.drop(h_sq_R)
+    else:
+        y_home_ND = to_home(y_RD, rows, channel)
+    meter.drop(y_RD)
+    full = len(rows.pair_idx) == T * K
+    y_PD = (x_TD.new_empty if full else x_TD.new_zeros)(T * K, x_TD.shape[1])
+    y_PD[rows.pair_idx] = y_home_ND
+    out_TD = torch.bmm(weights_TK.unsqueeze(1), y_PD.view(T, K, x_TD.shape[1])).squeeze(1)
+    return out_TD, y_PD, h_sq_P
+
+
+def save(call: CallRecord, rows_RD: torch.Tensor, acts: dict[str, torch.Tensor] | None, weights: SlotWeights,
+         gate_up: torch.Tensor) -> None:
+    """What the expert side keeps for the backward (:func:`lrmoe.memory.bytes.kept_to_backward`);
+    the rest is freed. Concatenated or assembled slot weights serve the backward too."""
+    meter = call.meter
+    if weights.gate_up is not gate_up:
+        call.saved.slot_weights = (weights.gate_up, weights.down)
+    kept = kept_to_backward(call.layer.spec, call.plan.keep, chunked=acts is None)
+    if kept.acts:
+        call.saved.rows_RD, call.saved.acts = rows_RD, acts
+        return
+    if acts is not None:
+        meter.drop(*acts.values())
+    if kept.rows:
+        call.saved.rows_RD = rows_RD
+    else:
+        meter.drop(rows_RD)
+
+
+def _report(call: CallRecord, channel: Channel, y_PD: torch.Tensor, weights_TK: torch.Tensor,
+            h_sq_P: torch.Tensor | None, owned_bytes: int, moved: int, t0: float) -> None:
+    stats, rows, wire = call.stats, call.rows, channel.wire
+    stats.counts_E = call.plan.counts_SE.sum(0)
+    stats.recv_rows = stats.forward_pairs_computed = rows.recv_rows
+    stats.fwd_a2a_bytes, stats.fwd_a2a_recv_bytes = wire.sent, wire.received
+    stats.fwd_a2a_inter_bytes = wire.inter_sent if wire.node_of else None
+    stats.home_bytes = nbytes(y_PD, weights_TK, call.ids_TK, rows.pair_idx, h_sq_P)
+    stats.peak_expert_side_bytes = call.meter.peak  # the backward raises it to the whole call's peak
+    stats.placement_bytes = call.pending_placement_bytes + moved
+    stats.optimizer_bytes = ADAM_STATES * owned_bytes
+    stats.fwd_ms = (time.perf_counter() - t0) * 1e3
+    if call.training:  # modelled, not moved: see docs/systems.md
+        stats.bound_optimizer_bytes = call.layer.planner.take_bound_optimizer_bytes()

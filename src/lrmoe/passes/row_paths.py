@@ -1,0 +1,209 @@
+"""How a call's backward selects its pairs and moves its rows, chosen once from the call's plan
+(:func:`choose`), so no backward stage branches on a mode.
+
+Selections: every pair the forward computed (:class:`ForwardPairs`); a global selection over a
+score exchange (:class:`GlobalSelector`); a local one in the plan's strata, exchanging nothing
+(:class:`StrataSelector`).
+
+Row paths (docs/design.md "Recompute"): the forward's rows (:class:`ForwardRows`: full and
+recompute backwards, which kept x); the same rows with the dropped pairs' dy zeroed
+(:class:`MaskedRows`, the ablation); a compacting backward that kept nothing re-spreads its kept
+pairs over the copies and home re-sends their x (:class:`ResentRows`); one that kept x computes
+each kept pair where its x was kept, told which rows by the positions riding in dy's message
+(:class:`KeptInStrata`, local selections) or by a kept byte per forward row
+(:class:`KeptByMask`, global ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe.memory.bytes import KEEP_NOTHING
+from lrmoe.memory.meter import MemoryMeter
+from lrmoe.parallel.comm import Channel
+from lrmoe.parallel.dispatch import to_experts, to_kept_experts
+from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
+from lrmoe.passes.record import CallRecord, Saved
+from lrmoe.selection.global_selection import select
+from lrmoe.selection.scores import lrm_scores, squared_norms
+from lrmoe.selection.strata import Strata, plan_strata, select_in_strata, strata_on
+from lrmoe.systems import SystemSpec
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The backward's kept set of this rank's pairs."""
+
+    keep_P: torch.Tensor | None  # bool over this rank's pairs (None: every pair)
+    kept_SE: torch.Tensor | None  # int64 (W, E) kept pairs per source and expert (None: the forward's)
+    quota_E: torch.Tensor  # pairs each expert was to keep
+    kept_E: torch.Tensor  # pairs each expert kept
+    scale_P: torch.Tensor | None = None  # 1/π of kept sampled pairs (None: every contribution × 1)
+    nonfinite: bool | torch.Tensor | None = None  # non-finite scores alone exceeded a quota (selective)
+    strata: Strata | None = None  # a local selection's strata
+    keep_N: torch.Tensor | None = None  # and its kept mask over the forward's send order
+
+
+# ------------------------------------------------------------------------------- selections
+class ForwardPairs:
+    """Every pair the forward computed (a forward drop's kept ones)."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor | None,
+               channel: Channel) -> Kept:
+        kept_E = call.plan.forward_SE.sum(0)
+        return Kept(call.forward_keep_P, None, kept_E, kept_E)
+
+
+def _scores(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor) -> torch.Tensor:
+    """LRM scores of this rank's pairs."""
+    g_sq_P = squared_norms(g_TD).repeat_interleave(call.ids_TK.shape[1])
+    return lrm_scores(weights_TK.reshape(-1), g_sq_P, h_sq_P)
+
+
+class GlobalSelector:
+    """``lrm``, ``random``, ``sampled``: the kept set chosen across ranks (collective)."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
+               channel: Channel) -> Kept:
+        plan, layer = call.plan, call.layer
+        own, shared = layer.streams.next()
+        sel = select(_scores(call, g_TD, weights_TK, h_sq_P), call.ids_TK.reshape(-1), plan.counts_SE, plan.quota_E,
+                     layer.backward, channel, own, shared)
+        return Kept(sel.keep_P, sel.kept_SE, sel.quota_E, sel.kept_SE.sum(0), sel.scale_P, sel.nonfinite)
+
+
+class StrataSelector:
+    """``local``, ``local-sampled``: drawn in the strata the plan fixes, with no exchange and no
+    device→host read; returns the kept mask over the forward's send order too."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
+               channel: Channel) -> Kept:
+        plan, layer = call.plan, call.layer
+        scores_P = _scores(call, g_TD, weights_TK, h_sq_P)
+        own, _ = layer.streams.next()
+        strata = strata_on(plan_strata(plan.assignment, plan.placement, plan.counts_SE, plan.quota_E, layer.rank),
+                           scores_P.device)
+        send_N = call.rows.pair_idx  # every pair: a selective forward drops none
+        keep_N, scale_N, nonfinite = select_in_strata(scores_P[send_N], strata.group_N, strata.share_G, layer.backward,
+                                                      own)
+        keep_P = torch.zeros_like(scores_P, dtype=torch.bool).index_put_((send_N,), keep_N)
+        scale_P = None if scale_N is None else torch.zeros_like(scores_P).index_put_((send_N,), scale_N)
+        kept_SE = strata.counts.kept_SE
+        return Kept(keep_P, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite, strata, keep_N)
+
+
+Selector = ForwardPairs | GlobalSelector | StrataSelector
+
+
+# ------------------------------------------------------------------------------- row paths
+def _gather_kept(saved: Saved, kept_rows: torch.Tensor | None, meter: MemoryMeter) -> None:
+    """Keep-x backward: the kept rows of the saved x (and activations) gathered slot-major, each
+    full tensor dropped after its gather (``kept_rows`` None: every row kept, nothing to do)."""
+    if kept_rows is None:
+        return
+    idx = kept_rows.to(saved.rows_RD.device)
+    full = saved.rows_RD
+    saved.rows_RD = full[idx]
+    meter.hold(saved.rows_RD)
+    meter.drop(full)
+    for k in () if saved.acts is None else tuple(saved.acts):
+        full = saved.acts[k]
+        saved.acts[k] = full[idx]
+        meter.hold(saved.acts[k])
+        meter.drop(full)
+
+
+@dataclass(frozen=True)
+class BackwardRows:
+    """Where the backward's rows go: its layout, and what says which saved rows are kept."""
+
+    layout: RowLayout
+    kept_pos_N: torch.Tensor | None = None  # kept rows' positions in their strata, riding with dy
+    kept_rows: torch.Tensor | None = None  # kept rows among the saved ones, slot-major (None: all)
+
+
+def _take_saved(call: CallRecord) -> torch.Tensor:
+    rows_RD, call.saved.rows_RD = call.saved.rows_RD, None
+    return rows_RD
+
+
+class ForwardRows:
+    """The forward's layout; the expert side kept x (and, for a full backward, the activations)."""
+
+    def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
+        return BackwardRows(call.rows)
+
+    def factor(self, factor_P: torch.Tensor, kept: Kept) -> torch.Tensor:
+        """Per-row factor of dy = factor · g_t: the routing weight, times 1/π for sampled pairs."""
+        return factor_P if kept.scale_P is None else factor_P * kept.scale_P.to(factor_P.dtype)
+
+    def dispatch(self, call: CallRecord, dy_ND: torch.Tensor, x_TD: torch.Tensor, rows: BackwardRows,
+                 channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dy, x) rows at the expert side, slot-major."""
+        return to_experts(dy_ND, rows.layout, channel), _take_saved(call)
+
+
+class MaskedRows(ForwardRows):
+    """The forward's layout, the dy of dropped pairs zeroed: the selection's cost without its saving."""
+
+    def factor(self, factor_P: torch.Tensor, kept: Kept) -> torch.Tensor:
+        return super().factor(factor_P, kept) * kept.keep_P
+
+
+class ResentRows(ForwardRows):
+    """Kept pairs re-spread min-peak within the plan's kept capacities; home re-sends their x."""
+
+    def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
+        plan = call.plan
+        return BackwardRows(row_layout(call.ids_TK.reshape(-1), plan.assign_kept(kept.kept_SE), plan.placement,
+                                       call.layer.rank, keep_P=kept.keep_P))
+
+    def dispatch(self, call, dy_ND, x_TD, rows, channel):
+        x_ND = x_TD[rows.layout.pair_idx // call.ids_TK.shape[1]]
+        dy_RD = to_experts(dy_ND, rows.layout, channel)
+        return dy_RD, to_experts(x_ND, rows.layout, channel)
+
+
+class KeptInStrata(ForwardRows):
+    """Kept pairs computed where their x was kept; each kept row's position rides with its dy."""
+
+    def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
+        layout, pos_N = kept_layout(call.rows, kept.strata, kept.keep_N)
+        return BackwardRows(layout, kept_pos_N=pos_N)
+
+    def dispatch(self, call, dy_ND, x_TD, rows, channel):
+        dy_RD, kept_rows = to_kept_experts(dy_ND, rows.kept_pos_N, rows.layout, call.rows, channel)
+        _gather_kept(call.saved, kept_rows, call.meter)
+        return dy_RD, _take_saved(call)
+
+
+class KeptByMask(ForwardRows):
+    """Kept pairs computed where their x was kept; home tells the expert sides which rows are
+    kept, a byte per forward row (collective)."""
+
+    def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
+        layout, kept_rows = restrict_to_kept(call.rows, kept.keep_P, channel)
+        return BackwardRows(layout, kept_rows=kept_rows)
+
+    def dispatch(self, call, dy_ND, x_TD, rows, channel):
+        dy_RD = to_experts(dy_ND, rows.layout, channel)
+        _gather_kept(call.saved, rows.kept_rows, call.meter)
+        return dy_RD, _take_saved(call)
+
+
+RowPath = ForwardRows
+
+
+def choose(spec: SystemSpec, keep: str | None, local: bool) -> tuple[Selector, RowPath]:
+    """The backward of a training call: its selection and row path, from the spec, the plan's
+    keep mode and whether the selection is local. The only place that tells the modes apart."""
+    if not spec.selective:
+        return ForwardPairs(), ForwardRows()
+    selector = StrataSelector() if local else GlobalSelector()
+    if not spec.compacts:
+        return selector, MaskedRows()
+    if keep == KEEP_NOTHING:
+        return selector, ResentRows()
+    return selector, KeptInStrata() if local else KeptByMask()

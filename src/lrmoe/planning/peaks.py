@@ -1,0 +1,134 @@
+"""Every rank's expert-side peak predicted from a call's plan before any row moves: the layer's
+meter replayed on numbers (:func:`lrmoe.memory.replay.expert_side_peak`), so what is predicted
+here is what the layer then measures. Cap fitting searches plans with it; the controller's
+compacting backward chooses what its expert side keeps with it (:func:`keep_mode`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from lrmoe.config import MoEConfig
+from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, position_bytes
+from lrmoe.memory.replay import RankWork, expert_side_peak
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.placement import Placement
+from lrmoe.systems import PlacementKind, SystemSpec
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One candidate plan of a call under a memory cap, with every rank's predicted peak."""
+
+    placement: Placement
+    assignment: PairAssignment
+    chunk_rows_R: list[int]
+    peak_R: list[int]
+    ok: bool  # every rank within its cap
+
+
+@dataclass(frozen=True)
+class RankPeaks:
+    """Predicted peaks of one layer's ranks under their caps ``memory_R``."""
+
+    spec: SystemSpec
+    config: MoEConfig
+    world: int
+    memory_R: list[int]
+
+    @property
+    def bytes(self) -> ByteModel:
+        return ByteModel.of(self.config, self.spec.selective)
+
+    @property
+    def chunks(self) -> bool:
+        """The forward may be chunked: the system keeps no activations to the backward."""
+        return not self.spec.saves_activations
+
+    def work(self, placement: Placement, r: int, rows: int, training: bool, chunk: int | None = None) -> RankWork:
+        """What rank r's expert side handles computing ``rows`` rows under ``placement`` (the
+        backward of these systems carries the forward's rows)."""
+        sharded = self.spec.placement is PlacementKind.SHARDED
+        E = self.config.num_experts
+        owned = 0 if sharded else len(placement.owned(r))
+        return RankWork(rows, rows if training else 0, len(placement.slots[r]), owned, chunk, self.world,
+                        sharded or placement.num_copies > E, E if sharded else 0, training)
+
+    def peak(self, work: RankWork) -> int:
+        return expert_side_peak(self.spec, self.config.dim, self.config.ffn_dim, self.bytes.dtype_bytes, work)
+
+    def rank_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int]:
+        """(chunk rows, predicted peak) of rank r computing ``rows`` rows: all at once where that
+        fits, else the largest chunk that does; the peak is over the cap where nothing fits."""
+        cap = self.memory_R[r]
+        peak = self.peak(self.work(placement, r, rows, training))
+        if peak <= cap or not self.chunks or rows <= 1:
+            return max(rows, 1), peak
+        lo, hi = 1, rows - 1  # the largest chunk within the cap, if chunks of one row are
+        if self.peak(self.work(placement, r, rows, training, lo)) > cap:
+            return lo, self.peak(self.work(placement, r, rows, training, lo))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.peak(self.work(placement, r, rows, training, mid)) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, self.peak(self.work(placement, r, rows, training, lo))
+
+    def rows_within(self, placement: Placement, r: int, training: bool) -> int:
+        """Most rows rank r can compute within its cap under ``placement`` (chunked if need be)."""
+        chunk = 1 if self.chunks else None
+
+        def fits(n: int) -> bool:
+            return self.peak(self.work(placement, r, n, training, chunk)) <= self.memory_R[r]
+
+        if not fits(0):
+            return 0
+        lo, hi = 0, self.memory_R[r] // self.bytes.row + 1  # fits(lo), not fits(hi): a row is ≥ D·s bytes
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def measure(self, placement: Placement, assignment: PairAssignment, training: bool) -> Fit:
+        """Every rank's chunk and peak under ``assignment``, and whether all fit."""
+        recv_R = assignment.rows_R()
+        chunk_R, peak_R = zip(*(self.rank_fit(placement, r, int(n), training) for r, n in enumerate(recv_R)))
+        ok = all(p <= m for p, m in zip(peak_R, self.memory_R))
+        return Fit(placement, assignment, list(chunk_R), list(peak_R), ok)
+
+
+def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
+              chunk_rows_R: list[int] | None, quota_E: torch.Tensor, network_R: list[int] | None,
+              local: bool) -> str:
+    """What a compacting backward's expert side keeps from forward to backward, identical on
+    every rank (decided from the plan alone): without a cap (``peaks`` None) the fastest, x and
+    activations (no re-sent x, no recompute); under a cap the richest mode whose predicted peak
+    fits every rank and, with a network budget, whose backward bytes fit it too. Kept pairs are
+    then computed where the forward computed them, so rank r's backward rows are at most
+    Σ_e min(its forward rows of e, q_e); x and activations need an unchunked forward. ``local``:
+    the selection is local (a kept row's position rides with dy; a global one sends a kept byte
+    per forward row)."""
+    if peaks is None:
+        return KEEP_X_ACTS
+    world, bm = peaks.world, peaks.bytes
+    rows_ER = assignment.rows_ER()
+    fwd_R = rows_ER.sum(0).tolist()
+    bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).tolist()
+    chunk_R = chunk_rows_R or [None] * world
+    # kept rows' dy in and dx out, plus a local selection's kept positions or a global one's
+    # kept byte per forward row
+    position = position_bytes(bm.dtype_bytes) if local else 0
+    mask = 0 if local else 1
+    if network_R is not None and any((2 * bm.row + position) * int(bwd_R[r]) + mask * int(fwd_R[r]) > network_R[r]
+                                     for r in range(world)):
+        return KEEP_NOTHING  # only a re-spread of the kept pairs keeps every rank within its network
+    for mode in KEEP_MODES[:-1]:
+        if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):
+            continue
+        if all(peaks.peak(replace(peaks.work(placement, r, int(fwd_R[r]), True, chunk_R[r]),
+                                  bwd_rows=int(bwd_R[r]), keep=mode)) <= peaks.memory_R[r]
+               for r in range(world)):
+            return mode
+    return KEEP_NOTHING

@@ -1,0 +1,42 @@
+"""LRM scores of the backward's pairs.
+
+Score of pair (t, e): the squared Frobenius norm of its contribution to expert e's
+down-projection weight gradient. That contribution is the outer product (w_te·g_t) ⊗ h_te, so
+
+    score(t, e) = w_te² · ‖g_t‖² · ‖h_te‖²
+
+and no gradient matrix is formed. Scores are float64: finite fp32/bf16 inputs cannot overflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def squared_norms(x_RD: torch.Tensor) -> torch.Tensor:
+    """‖x_r‖² per row in float64, finite for finite inputs. On the CPU one fp32 pass, with the
+    rows whose fp32 norm overflowed redone in float64; on CUDA that check would be a
+    device→host read, so :func:`scaled_squared_norms` instead."""
+    if x_RD.is_cuda:
+        return scaled_squared_norms(x_RD)
+    sq = torch.linalg.vector_norm(x_RD, dim=-1).to(torch.float64).square()
+    bad = ~torch.isfinite(sq)
+    if bad.any():
+        sq[bad] = x_RD[bad].to(torch.float64).square().sum(-1)
+    return sq
+
+
+def scaled_squared_norms(x_RD: torch.Tensor) -> torch.Tensor:
+    """‖x_r‖² per row in float64 with nothing read back: each row is first scaled by the power
+    of two (exact) that brings its largest entry into [1, 2), so the fp32 pass cannot overflow."""
+    peak = x_RD.abs().amax(-1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(-torch.floor(torch.log2(peak)))
+    low_range = x_RD.dtype not in (torch.bfloat16, torch.float32, torch.float64)  # fp16: 2^±126 overflows it
+    work = x_RD.float() if low_range else x_RD
+    norm = torch.linalg.vector_norm(work * scale.to(work.dtype), dim=-1, dtype=torch.float32)
+    return (norm.to(torch.float64) / scale.squeeze(-1).to(torch.float64)).square()
+
+
+def lrm_scores(weights_P: torch.Tensor, g_sq_P: torch.Tensor, h_sq_P: torch.Tensor) -> torch.Tensor:
+    """w² · ‖g‖² · ‖h‖² per pair, float64."""
+    return weights_P.detach().to(torch.float64).square() * g_sq_P * h_sq_P
