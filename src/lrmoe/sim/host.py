@@ -31,15 +31,16 @@ PLANNING_REFERENCE = Path(__file__).with_name("planning_reference.json")
 # benchmark's name for it. The min-peak assignment is named by whether it got capacities (the
 # backward's kept pairs under the controller's capacities, or a forward within a memory cap).
 _TARGETS = (
-    ("lrmoe.planning.planner", "min_peak_assignment"),
-    ("lrmoe.planning.planner", "plan_replicas"),
+    ("lrmoe.planning.pair_rules", "min_peak_assignment"),
+    ("lrmoe.planning.strategies.load", "plan_replicas"),
+    ("lrmoe.planning.strategies.node_aware", "plan_replicas"),
     ("lrmoe.planning.replica_search", "plan_replicas"),  # lrmoe's replica-count search
     ("lrmoe.planning.placement", "holder_index"),  # once per new placement (Placement.holder_index is cached)
     ("lrmoe.planning.controller", "max_min_quotas"),
-    ("lrmoe.planning.replication", "localize"),
-    ("lrmoe.planning.replication", "shadow_experts"),
-    ("lrmoe.planning.replication", "laer_layout"),
-    ("lrmoe.planning.replication", "flexmoe_replan"),
+    ("lrmoe.planning.strategies.node_aware", "localize"),
+    ("lrmoe.planning.strategies.shadow", "shadow_experts"),
+    ("lrmoe.planning.strategies.assembled", "laer_layout"),
+    ("lrmoe.planning.strategies.greedy", "flexmoe_replan"),
 )
 
 
@@ -53,7 +54,7 @@ def _bench_name(attr: str, args: tuple, kwargs: dict) -> str:
 class PlannerCalls:
     """Counts the benchmarked planners the library runs inside a ``with`` block (outermost calls
     only: a planner that calls another counts once, as the benchmark timed it). The counting
-    wraps the functions where :mod:`lrmoe.planning.planner` and :mod:`lrmoe.planning.controller` look them up and puts
+    wraps the functions where the planning modules look them up and puts
     the originals back on exit; nothing in the library is changed."""
 
     def __init__(self) -> None:
