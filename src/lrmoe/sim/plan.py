@@ -122,12 +122,8 @@ class SystemPlanner:
     def _call(self, counts_E: np.ndarray, s: int, counts_SE: np.ndarray | None) -> LayerCall:
         cfg, W, planner = self.config, self.world, self.planner
         spec = planner.spec
-        E, K, D, F = cfg.num_experts, cfg.top_k, cfg.dim, cfg.ffn_dim
         counts_SE = torch.from_numpy(np.asarray(split_sources(counts_E, W) if counts_SE is None else counts_SE,
                                                 dtype=np.int64))
-        total = int(counts_SE.sum())
-        tokens = total // K // W
-
         calls = PlannerCalls()
         t0 = time.perf_counter()
         with calls:
@@ -136,62 +132,67 @@ class SystemPlanner:
             plan = planner.plan_call(counts_SE, fwd_SE, training=True)
         live = time.perf_counter() - t0
         fwd_SR = plan.assignment.rows_SR().numpy()
-        recv_R = fwd_SR.sum(0)
         score_R = np.zeros(W, np.int64)
         if fwd_quota_E is not None:  # capacity: a global score exchange in the forward
-            score_R = torch.minimum(counts_SE, fwd_quota_E.view(1, E)).sum(1).numpy()
-
-        chunks_R = np.ones(W, np.int64)
-        chunk_rows: list[int | None] = plan.chunk_rows_R or [None] * W
-        for r, c in enumerate(chunk_rows):
-            if c is not None and recv_R[r]:
-                chunks_R[r] = -(-int(recv_R[r]) // c)
-        bwd_SR = fwd_SR
-        kept = int(plan.forward_SE.sum())
+            score_R = torch.minimum(counts_SE, fwd_quota_E.view(1, cfg.num_experts)).sum(1).numpy()
         keep = plan.keep if spec.compacts else None
         local = spec.selective and self.selection in LOCAL_SELECTIONS
+        bwd_SR, kept, live_bwd = fwd_SR, int(plan.forward_SE.sum()), 0.0
         if plan.quota_E is not None:
-            kept = int(plan.quota_E.sum())
-            if local:  # the backward plans its strata on the host (lrmoe.selection.strata.plan_strata)
-                calls.counts["strata"] += 1
             score_R = self._score_pairs(counts_SE, plan.quota_E)
-            if spec.compacts:
-                kept_SE = largest_remainder(plan.quota_E, counts_SE)
-                if keep == KEEP_NOTHING:  # re-spread min-peak within the kept capacities (the layer's rows)
-                    t0 = time.perf_counter()
-                    with calls:
-                        bwd_SR = plan.assign_kept(kept_SE).rows_SR().numpy()
-                    live += time.perf_counter() - t0
-                else:  # computed where the forward computed them (the forward's plan restricted)
-                    bwd_SR = plan.assignment.restricted(kept_SE).rows_SR().numpy()
-
-        placement = plan.placement
-        owned_R = np.array([len(planner.base.owned(r)) for r in range(W)])
-        copies_R = np.array([len(placement.slots[r]) for r in range(W)])
-        refresh_SR = np.zeros((W, W), np.int64)
-        for r in range(W):
-            for e in placement.replicas(r):
-                refresh_SR[int(placement.owner_E[e]), r] += 1
-        replicas_anywhere = placement.num_copies > E
-        peak_R = np.array([
-            expert_side_peak(spec, D, F, s, RankWork(
-                int(recv_R[r]), int(bwd_SR[:, r].sum()), int(copies_R[r]), int(owned_R[r]), chunk_rows[r], W,
-                replicas_anywhere, keep=keep or KEEP_NOTHING))
-            for r in range(W)])
-        kept_bytes_R = np.array([kept_between_passes(spec, D, F, s, int(recv_R[r]), keep,
-                                                     chunk_rows[r] is not None and chunk_rows[r] < recv_R[r])
-                                 for r in range(W)])
-        home_R = plan.forward_SE.sum(1).numpy()
+            bwd_SR, kept, live_bwd = self._backward_rows(plan, counts_SE, fwd_SR, keep, local, calls)
         call = LayerCall(
-            system=self.system, fwd_SR=fwd_SR, bwd_SR=bwd_SR, copies_R=copies_R, owned_R=owned_R, chunks_R=chunks_R,
-            home_pairs_R=home_R, home_bwd_pairs_R=bwd_SR.sum(1), score_pairs_R=np.asarray(score_R),
-            score_in_forward=spec.forward_drop, refresh_SR=refresh_SR, kept_pairs=kept, total_pairs=total,
-            host_s=0.0, peak_R=peak_R, kept_bytes_R=kept_bytes_R, tokens_per_rank=tokens, keep=keep,
+            system=self.system, fwd_SR=fwd_SR, bwd_SR=bwd_SR, copies_R=np.array([len(x) for x in plan.placement.slots]),
+            owned_R=np.array(planner.base.owned_counts), chunks_R=_chunks(fwd_SR.sum(0), plan.chunk_rows_R),
+            home_pairs_R=plan.forward_SE.sum(1).numpy(), home_bwd_pairs_R=bwd_SR.sum(1),
+            score_pairs_R=np.asarray(score_R), score_in_forward=spec.forward_drop,
+            refresh_SR=_refreshes(plan.placement), kept_pairs=kept, total_pairs=int(counts_SE.sum()), host_s=0.0,
+            peak_R=np.zeros(W, np.int64), kept_bytes_R=np.zeros(W, np.int64),
+            tokens_per_rank=int(counts_SE.sum()) // cfg.top_k // W, keep=keep,
             recomputes=spec.recomputes and keep != KEEP_X_ACTS, resends_x=keep == KEEP_NOTHING,
             count_gather=spec.selective and not local, positions=local and keep not in (None, KEEP_NOTHING),
         )
-        # lrmoe's first replica-count search scores every candidate once per run (later ones walk
-        # from its choice): a one-time cost, reported apart, not in the step time
+        call = replace(call, **self._memory(call, plan.chunk_rows_R, s))
+        return self._end_step(call, calls, live + live_bwd)
+
+    def _backward_rows(self, plan, counts_SE: torch.Tensor, fwd_SR: np.ndarray, keep: str | None, local: bool,
+                       calls: PlannerCalls) -> tuple[np.ndarray, int, float]:
+        """A selective backward's rows per (source, destination), its kept pairs, and the live
+        time of its host planning."""
+        if local:  # the backward plans its strata on the host (lrmoe.selection.strata.plan_strata)
+            calls.counts["strata"] += 1
+        kept, live = int(plan.quota_E.sum()), 0.0
+        if not self.planner.spec.compacts:
+            return fwd_SR, kept, live
+        kept_SE = largest_remainder(plan.quota_E, counts_SE)
+        if keep == KEEP_NOTHING:  # re-spread min-peak within the kept capacities (the layer's rows)
+            t0 = time.perf_counter()
+            with calls:
+                bwd_SR = plan.assign_kept(kept_SE).rows_SR().numpy()
+            return bwd_SR, kept, time.perf_counter() - t0
+        # computed where the forward computed them (the forward's assignment restricted)
+        return plan.assignment.restricted(kept_SE).rows_SR().numpy(), kept, live
+
+    def _memory(self, call: LayerCall, chunk_rows_R: list[int] | None, s: int) -> dict:
+        """Every rank's expert-side peak and the bytes it keeps from forward to backward."""
+        spec, cfg, W = self.planner.spec, self.config, self.world
+        recv_R, chunk_rows = call.fwd_SR.sum(0), chunk_rows_R or [None] * W
+        replicas_anywhere = int(call.copies_R.sum()) > cfg.num_experts
+        peak_R = np.array([
+            expert_side_peak(spec, cfg.dim, cfg.ffn_dim, s, RankWork(
+                int(recv_R[r]), int(call.bwd_SR[:, r].sum()), int(call.copies_R[r]), int(call.owned_R[r]),
+                chunk_rows[r], W, replicas_anywhere, keep=call.keep or KEEP_NOTHING))
+            for r in range(W)])
+        kept_bytes_R = np.array([kept_between_passes(spec, cfg.dim, cfg.ffn_dim, s, int(recv_R[r]), call.keep,
+                                                     chunk_rows[r] is not None and chunk_rows[r] < recv_R[r])
+                                 for r in range(W)])
+        return {"peak_R": peak_R, "kept_bytes_R": kept_bytes_R}
+
+    def _end_step(self, call: LayerCall, calls: PlannerCalls, live: float) -> LayerCall:
+        """The optimizer step's end (replicas re-planned when due) and the call's host time.
+        lrmoe's first replica-count search scores every candidate once per run (later ones walk
+        from its choice): a one-time cost, reported apart, not in the step time."""
+        planner = self.planner
         first_search = planner.controller is not None and planner.keeps_replicas and not planner.replica_count_chosen
         once = PlannerCalls() if first_search else calls
         t0 = time.perf_counter()
@@ -210,6 +211,25 @@ class SystemPlanner:
         if how == "all":
             return counts_SE.sum(1).numpy()
         return np.zeros(counts_SE.shape[0], np.int64)
+
+
+def _chunks(recv_R: np.ndarray, chunk_rows_R: list[int] | None) -> np.ndarray:
+    """Forward chunks per rank (1: computed at once)."""
+    chunks_R = np.ones(len(recv_R), np.int64)
+    for r, c in enumerate(chunk_rows_R or []):
+        if c is not None and recv_R[r]:
+            chunks_R[r] = -(-int(recv_R[r]) // c)
+    return chunks_R
+
+
+def _refreshes(placement) -> np.ndarray:
+    """int64 (W, W): expert copies owner s sends holder r after every step."""
+    W = placement.world
+    refresh_SR = np.zeros((W, W), np.int64)
+    for r in range(W):
+        for e in placement.replicas(r):
+            refresh_SR[int(placement.owner_E[e]), r] += 1
+    return refresh_SR
 
 
 __all__ = ["LayerCall", "SCORE_EXCHANGE", "SystemPlanner"]
