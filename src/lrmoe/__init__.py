@@ -1,24 +1,28 @@
 """lrmoe: Mixture-of-Experts training with expert parallelism and the LRMoE backward.
 
 The algorithm, the definitions every module uses and how each system is described are in
-docs/design.md. Package layout, data flowing one way:
+docs/design.md. Package layout, data flowing one way (config → router → planner → dispatch → experts →
+combine, once each way per pass):
 
-    config.py    typed configs: MoEConfig, BackwardConfig, ClusterBudget
-    systems.py   one SystemSpec per system name, and the name parser
-    router.py    softmax top-k (Qwen3) · sigmoid + correction bias (GLM-4.5)
-    plan.py      LayerPlanner: placement and one CallPlan per call (controller.py, planners.py,
-                 placement.py, holders.py, balance.py, quotas.py, quota_ratio.py are its pure,
-                 deterministic parts;
-                 assignment.py the form of its result: where each pair is computed)
-    dispatch.py  row plans and the exchanges that move rows (comm.py counts the bytes)
-    experts.py   grouped SwiGLU experts and the one grouped-GEMM seam
-    selection.py LRM scores and the kept sets of the backward
-    meter.py     the byte model of the expert side and its replay (a call's peak from its plan)
-    errors.py    MemoryBudgetExceeded: a call or layer that cannot live within its memory cap
-    routed.py    the routed experts' autograd function and the call record
-    layer.py     MoELayer, the nn.Module facade
+    config.py     typed configs: MoEConfig, BackwardConfig, ClusterBudget
+    systems.py    one SystemSpec per system name, and the name parser (the only module that
+                  knows system names)
+    layer.py      MoELayer, the nn.Module facade
+    router.py     softmax top-k (Qwen3) · sigmoid + correction bias (GLM-4.5)
+    experts.py    grouped SwiGLU experts and the one grouped-GEMM seam
+    errors.py     MemoryBudgetExceeded: a call or layer that cannot live within its memory cap
+    planning/     LayerPlanner (planner.py) and one CallPlan per call: placement strategies (one
+                  per planner a spec names), the assignment rule, min-peak balance, quotas, the
+                  controller and its replica-count search, cap fitting, peak prediction
+    memory/       the byte model, what the expert side keeps, the meter and its replay on numbers
+    parallel/     collectives and the Channel that counts bytes, row layouts, the exchanges that
+                  move rows, replicas, sharded experts
+    selection/    LRM scores, global and local (strata) selections, sampling, random streams
+    passes/       the routed experts' forward and backward in stages, their call record, CallStats
+    models/ train/ sim/ integrations/ cli.py   models, training and compare, the paper-scale
+                  projection, transformers patching, the command line
 
-Shape suffixes on tensor names (``x_TD``, ``counts_SE``, ``assign_ESR``):
+Shape suffixes on tensor names (``x_TD``, ``counts_SE``, ``rows_HS``):
 
     T tokens at this rank (B·S flattened)    D model dim         F expert hidden dim
     K top-k slots                            E experts           X = 2F (gate and up fused)

@@ -3,7 +3,7 @@
 It owns the parameters (router, this rank's experts or expert slices, replica copies, shared
 expert), the :class:`~lrmoe.planning.planner.LayerPlanner` that decides placement and each call's plan,
 and the checkpoint and full-shape views. The routed experts' forward and backward live in
-:mod:`lrmoe.passes.routed`; what each system does is read from its :class:`~lrmoe.systems.SystemSpec`
+:mod:`lrmoe.passes`; what each system does is read from its :class:`~lrmoe.systems.SystemSpec`
 (docs/design.md "Systems").
 """
 

@@ -4,7 +4,7 @@ replay on numbers.
     bytes.py   ByteModel (bytes per slot, per row), the keep modes, and kept_to_backward: what the
                expert side keeps from forward to backward (decided once for the layer, the replay
                and the simulator)
-    meter.py   MemoryMeter: bytes held during one layer call and their peak
+    meter.py   MemoryMeter: bytes held during one layer call and their peak (the exchanges' hook)
     replay.py  RankWork and expert_side_peak: the meter replayed on numbers (planning, simulation)
 """
 

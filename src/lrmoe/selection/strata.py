@@ -13,7 +13,7 @@ knows, before any row moves, how many rows every (source, holder, expert) keeps.
 - nothing in the selection reads the device (docs/performance.md "Host reads").
 
 A stratum is one (expert, holder) entry the forward sent this rank's pairs to; the forward's
-send order (``RowPlan.pair_idx``: by destination, then its slot order, then pair index) lays
+send order (``RowLayout.pair_idx``: by destination, then its slot order, then pair index) lays
 the strata end to end, so a stratum is a contiguous run of that order. Stratifying by holder
 is unbiased (each stratum's draw is unbiased for its own sum) and keeps exactly q_e per expert.
 """
