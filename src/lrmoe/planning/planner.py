@@ -93,15 +93,9 @@ class LayerPlanner:
                                     self.default_slots_R is not None or self.strategy.varies_copies)
             self.fitter.check_owned()
         self.search = None if self.controller is None else ReplicaCountSearch(
-            self.base, self.controller, self.costs, self.bytes.slot_params, self.default_slots_R, replan_interval,
-            self.assign)
+            self.base, self.controller, self.costs, self.bytes.slot_params, replan_interval, self.assign)
         if self.keeps_replicas:
             self._replan()
-
-    @property
-    def capped(self) -> bool:
-        """A cap this planner keeps every call within by the byte model (lrmoe: its controller does)."""
-        return self.fitter is not None
 
     # ---------------------------------------------------------------- placement
     @property
@@ -135,7 +129,7 @@ class LayerPlanner:
             self.slots_R = found.slots
             self._adopt(found.fit.placement if found.fit is not None else self._step_placement(self.slots_R))
         elif self.search is not None and self.fixed_slots_R is None:
-            self._adopt(self.search.choose(self.load_E, self._last_SE, self.steps))
+            self._adopt(self._search_replicas())
         else:
             self._adopt(self._step_placement(self.slots_R))
 
@@ -145,6 +139,10 @@ class LayerPlanner:
         self.placement = placement
         if self.controller is not None:
             self.controller.check_slots(self.placement)
+
+    def _search_replicas(self, in_call: bool = False) -> Placement:
+        """lrmoe's replicas from its replica-count search (:mod:`lrmoe.planning.replica_search`)."""
+        return self.search.choose(self.load_E, self._last_SE, self.steps, self.default_slots_R, in_call)
 
     def _may_replan_in_call(self, training: bool) -> bool:
         return training and self.keeps_replicas and self.fixed_slots_R is None  # (fixed slots stay as given)
@@ -156,7 +154,7 @@ class LayerPlanner:
         on them. The new copies are fetched before any row moves. Raises
         :class:`MemoryBudgetExceeded` where no re-plan fits (``failed``: the plans tried before)."""
         if self.controller is not None:
-            self._adopt(self.search.choose(self.load_E, self._last_SE, self.steps, in_call=True))
+            self._adopt(self._search_replicas(in_call=True))
             assignment, chunks = self.controller.fit_forward(
                 forward_SE, self.placement, self.assign(forward_SE, self.placement), self.assign)
             return Fit(self.placement, assignment, chunks, None, True)

@@ -52,13 +52,12 @@ class ReplicaCountSearch:
     chose. Before any call: owned experts only."""
 
     def __init__(self, base: Placement, controller: Controller, costs: CostModel, slot_param_bytes: int,
-                 default_slots_R: list[int], interval: int,
-                 assign: Callable[[torch.Tensor, Placement, list[int] | None], PairAssignment]) -> None:
+                 interval: int, assign: Callable[[torch.Tensor, Placement, list[int] | None], PairAssignment]
+                 ) -> None:
         self.base, self.controller, self.costs = base, controller, costs
         self.slot_param_bytes = slot_param_bytes
         self.interval = interval
         self.assign = assign
-        self.extra_R = [s - o for s, o in zip(default_slots_R, base.owned_counts)]
         self.k: int | None = None  # the extra slots the last search chose
 
     @property
@@ -66,25 +65,27 @@ class ReplicaCountSearch:
         """The search has run once (the first scores every candidate)."""
         return self.k is not None
 
-    def _placement(self, load_E: torch.Tensor, k: int) -> Placement:
-        slots_R = [o + min(k, x) for o, x in zip(self.base.owned_counts, self.extra_R)]
+    def _placement(self, load_E: torch.Tensor, k: int, extra_R: list[int]) -> Placement:
+        slots_R = [o + min(k, x) for o, x in zip(self.base.owned_counts, extra_R)]
         return plan_replicas(self.base, load_E, slots_R) if k else self.base
 
-    def choose(self, load_E: torch.Tensor, last_SE: torch.Tensor | None, steps: int, in_call: bool = False
-               ) -> Placement:
-        """The replica placement for the next calls, after ``steps`` optimizer steps. The first
+    def choose(self, load_E: torch.Tensor, last_SE: torch.Tensor | None, steps: int, slots_R: list[int],
+               in_call: bool = False) -> Placement:
+        """The replica placement for the next calls, after ``steps`` optimizer steps, with at
+        most ``slots_R`` expert slots a rank (the controller's share of memory). The first
         search, and one inside a call, scores every candidate; later ones start at the last choice
         and its neighbours and walk on while the best lies at the edge of those scored (three plans
         under a steady load instead of 10–15)."""
         if last_SE is None:
             return self.base
+        extra_R = [s - o for s, o in zip(slots_R, self.base.owned_counts)]
         if self.k is not None and steps % self.interval and not in_call:
-            return self._placement(load_E, self.k)
-        candidates = replica_candidates(max(self.extra_R))
+            return self._placement(load_E, self.k, extra_R)
+        candidates = replica_candidates(max(extra_R))
         if self.k in candidates and not in_call:
-            scored = self._walk(load_E, last_SE, candidates)
+            scored = self._walk(load_E, last_SE, extra_R, candidates)
         else:
-            scored = self._scan(load_E, last_SE, candidates)
+            scored = self._scan(load_E, last_SE, extra_R, candidates)
         if not scored:
             self.k = 0
             return self.base
@@ -92,9 +93,9 @@ class ReplicaCountSearch:
         self.k = best.k
         return best.placement
 
-    def _score(self, load_E: torch.Tensor, counts_SE: torch.Tensor, k: int) -> _Scored | None:
+    def _score(self, load_E: torch.Tensor, counts_SE: torch.Tensor, extra_R: list[int], k: int) -> _Scored | None:
         """Plan k scored, or None where its forward does not fit."""
-        placement = self._placement(load_E, k)
+        placement = self._placement(load_E, k, extra_R)
         try:
             assignment, _ = self.controller.fit_forward(counts_SE, placement, self.assign(counts_SE, placement, None),
                                                         self.assign)
@@ -113,23 +114,25 @@ class ReplicaCountSearch:
         most = max(s.kept for s in scored)
         return min((s for s in scored if s.kept >= KEPT_SHARE * most), key=lambda s: (s.time, s.replicas))
 
-    def _scan(self, load_E: torch.Tensor, counts_SE: torch.Tensor, candidates: list[int]) -> list[_Scored]:
+    def _scan(self, load_E: torch.Tensor, counts_SE: torch.Tensor, extra_R: list[int], candidates: list[int]
+              ) -> list[_Scored]:
         """Every candidate: the first search, and a call whose forward did not fit."""
         scored = []
         for k in candidates:
-            s = self._score(load_E, counts_SE, k)
+            s = self._score(load_E, counts_SE, extra_R, k)
             if s is not None:
                 scored.append(s)
                 if s.replicas == 0 and k:
                     break  # no slot beyond the owned ones: larger k plans the same
         return scored
 
-    def _walk(self, load_E: torch.Tensor, counts_SE: torch.Tensor, candidates: list[int]) -> list[_Scored]:
+    def _walk(self, load_E: torch.Tensor, counts_SE: torch.Tensor, extra_R: list[int], candidates: list[int]
+              ) -> list[_Scored]:
         """From the last choice, walk while the best plan lies at the edge of the ones scored (the
         cost is one-humped in k: a steady load costs three plans, not every candidate)."""
         at = candidates.index(self.k)
         lo, hi = max(at - 1, 0), min(at + 1, len(candidates) - 1)
-        tried = {k: self._score(load_E, counts_SE, k) for k in candidates[lo:hi + 1]}
+        tried = {k: self._score(load_E, counts_SE, extra_R, k) for k in candidates[lo:hi + 1]}
         while any(tried.values()):
             win = self._best([t for t in tried.values() if t])
             if win.k == candidates[lo] and lo > 0:
@@ -140,5 +143,5 @@ class ReplicaCountSearch:
                 k = candidates[hi]
             else:
                 break
-            tried[k] = self._score(load_E, counts_SE, k)
+            tried[k] = self._score(load_E, counts_SE, extra_R, k)
         return [t for t in tried.values() if t]
