@@ -48,8 +48,8 @@ from lrmoe.planning.balance import assign_min_peak, min_peak_assignment
 from lrmoe.planning.controller import max_min_quotas
 from lrmoe.planning.holders import HolderIndex
 from lrmoe.planning.placement import Placement, plan_replicas
-from lrmoe.planning.replication import CostModel, flexmoe_replan, laer_layout, localize, shadow_experts
-from lrmoe.selection.selections import largest_remainder
+from lrmoe.planning.strategies import CostModel, flexmoe_replan, laer_layout, localize, shadow_experts
+from lrmoe.selection import largest_remainder
 from lrmoe.selection.strata import plan_strata
 
 PLANNERS = ["max_min_quotas", "assign_min_peak", "assign_min_peak_cap", "assign_min_peak_dense", "holder_index",

@@ -38,7 +38,7 @@ from lrmoe.layer import MoELayer
 from lrmoe.sim.cost import layer_seconds
 from lrmoe.sim.hardware import CPU_CALIBRATION, Hardware
 from lrmoe.sim.models import ModelSpec
-from lrmoe.sim.plan import SystemPlanner
+from lrmoe.sim.layer_calls import SystemPlanner
 
 # (name, world, system, ratio, tokens per rank, D, F, E, K)
 FIT = [

@@ -21,7 +21,7 @@ from lrmoe.sim.config import SimConfig, routing_counts
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.host import PlanningReference
 from lrmoe.sim.memory import RankWork, expert_side_peak
-from lrmoe.sim.plan import SystemPlanner
+from lrmoe.sim.layer_calls import SystemPlanner
 from lrmoe.sim.report import table_md
 from lrmoe.sim.run import Projection, simulate
 from lrmoe.sim.target import StepsToTarget
@@ -307,7 +307,7 @@ def test_selection_exchange_bytes():
 def test_headline_is_the_same_on_a_slow_host(monkeypatch):
     """Host planning comes from the recorded benchmark, not this machine's clock: a host whose
     timer runs 1000x slower changes the live diagnostic only."""
-    import lrmoe.sim.plan as sim_plan
+    import lrmoe.sim.layer_calls as sim_plan
 
     cfg = _small(memory_caps_gib=(60.0, 100.0))
     fast, _ = simulate(cfg, progress=False)

@@ -13,8 +13,9 @@ import importlib.util
 import sys
 import warnings
 
-# old flat module -> its home now (a module, or a subpackage that re-exports what it held)
+# old module (under lrmoe) -> its home now (a module, or a subpackage that re-exports what it held)
 MOVED = {
+    "sim.plan": "lrmoe.sim.layer_calls",
     "assignment": "lrmoe.planning.assignment",
     "balance": "lrmoe.planning.balance",
     "comm": "lrmoe.parallel.comm",
@@ -50,13 +51,13 @@ class _Alias(importlib.abc.Loader):
 
 
 class MovedModules(importlib.abc.MetaPathFinder):
-    """Finds ``lrmoe.<old name>`` and hands out the module at its new path."""
+    """Finds ``lrmoe.<old path>`` and hands out the module at its new path."""
 
     def find_spec(self, fullname: str, path=None, target=None):
-        package, _, leaf = fullname.rpartition(".")
-        if package != "lrmoe" or leaf not in MOVED:
+        root, _, old = fullname.partition(".")
+        if root != "lrmoe" or old not in MOVED:
             return None
-        return importlib.util.spec_from_loader(fullname, _Alias(MOVED[leaf]))
+        return importlib.util.spec_from_loader(fullname, _Alias(MOVED[old]))
 
 
 def install() -> None:

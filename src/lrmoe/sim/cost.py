@@ -25,7 +25,7 @@ the CPU calibration (where the rates are fitted by least squares):
   selection first sends one byte per forward row saying which rows are kept), the selection's
   exchange (``local`` and ``local-sampled`` none at all, lrmoe.selection.strata; the global selections
   all-gather their non-finite counts, E int64 per rank, then ``lrm`` and ``random`` their
-  candidates' keys, ``sampled`` every score: :data:`lrmoe.sim.plan.SCORE_EXCHANGE`; capacity's
+  candidates' keys, ``sampled`` every score: :data:`lrmoe.sim.layer_calls.SCORE_EXCHANGE`; capacity's
   score exchange in the forward), replica refresh (owner → holder, every step) and
   replica-gradient reduction (holder → owner);
 - selection: scored pairs × ``select_pair_s`` (0 on GPU, where the sort passes above stand for
@@ -45,7 +45,7 @@ import numpy as np
 from lrmoe.memory.bytes import H_SQ_BYTES, expert_param_bytes, position_bytes
 from lrmoe.sim.hardware import Hardware
 from lrmoe.sim.models import ModelSpec
-from lrmoe.sim.plan import LayerCall
+from lrmoe.sim.layer_calls import LayerCall
 from lrmoe.systems import spec_of
 
 SCORE_BYTES = 8  # float64 LRM scores / routing probabilities exchanged for a global selection

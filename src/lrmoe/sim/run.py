@@ -29,7 +29,7 @@ from lrmoe.sim.cost import PHASES, layer_seconds
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.hardware import Hardware
 from lrmoe.sim.host import PlanningReference
-from lrmoe.sim.plan import LayerCall, SystemPlanner
+from lrmoe.sim.layer_calls import LayerCall, SystemPlanner
 from lrmoe.sim.report import plot_sensitivity, write_results
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.whatif import what_if, what_if_reference
