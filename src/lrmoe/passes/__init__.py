@@ -5,7 +5,8 @@
     stats.py      CallStats: a call's figures, typed; MoELayer.last_stats is its dict view
     forward.py    plan → fetch weights → dispatch → compute → combine → save
     backward.py   select → plan rows → dispatch → compute → return
-    row_paths.py  the backward's selection and row path, chosen once from the call's plan
+    selectors.py  the backward's selection: the forward's pairs, a global one, a local one in strata
+    row_paths.py  the backward's row path, chosen once from the plan with its selection
     function.py   RoutedExperts, the autograd function of both passes
 """
 

@@ -18,7 +18,8 @@ from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.dispatch import to_home
 from lrmoe.passes.record import CallRecord
-from lrmoe.passes.row_paths import BackwardRows, Kept
+from lrmoe.passes.row_paths import BackwardRows
+from lrmoe.passes.selectors import Kept
 from lrmoe.systems import PlacementKind
 
 

@@ -23,7 +23,8 @@ from lrmoe.selection.streams import SelectionStreams
 from lrmoe.systems import SystemSpec
 
 if TYPE_CHECKING:  # the paths are chosen from the plan; only their types are needed here
-    from lrmoe.passes.row_paths import RowPath, Selector
+    from lrmoe.passes.row_paths import RowPath
+    from lrmoe.passes.selectors import Selector
 
 class CallLog:
     """A layer's latest calls, as its ``last_stats`` and ``last_kept`` show them: the latest call

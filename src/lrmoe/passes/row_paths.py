@@ -1,9 +1,5 @@
-"""How a call's backward selects its pairs and moves its rows, chosen once from the call's plan
-(:func:`choose`), so no backward stage branches on a mode.
-
-Selections: every pair the forward computed (:class:`ForwardPairs`); a global selection over a
-score exchange (:class:`GlobalSelector`); a local one in the plan's strata, exchanging nothing
-(:class:`StrataSelector`).
+"""How a call's backward moves its rows, chosen once from the call's plan together with its
+selection (:func:`choose`, :mod:`lrmoe.passes.selectors`), so no backward stage branches on a mode.
 
 Row paths (docs/design.md "Recompute"): the forward's rows (:class:`ForwardRows`: full and
 recompute backwards, which kept x); the same rows with the dropped pairs' dy zeroed
@@ -26,78 +22,10 @@ from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.dispatch import to_experts, to_kept_experts
 from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
 from lrmoe.passes.record import CallRecord, Saved
-from lrmoe.selection.global_selection import select
-from lrmoe.selection.scores import lrm_scores, squared_norms
-from lrmoe.selection.strata import Strata, plan_strata, select_in_strata, strata_on
+from lrmoe.passes.selectors import ForwardPairs, GlobalSelector, Kept, Selector, StrataSelector
 from lrmoe.systems import SystemSpec
 
 
-@dataclass(frozen=True)
-class Kept:
-    """The backward's kept set of this rank's pairs."""
-
-    keep_P: torch.Tensor | None  # bool over this rank's pairs (None: every pair)
-    kept_SE: torch.Tensor | None  # int64 (W, E) kept pairs per source and expert (None: the forward's)
-    quota_E: torch.Tensor  # pairs each expert was to keep
-    kept_E: torch.Tensor  # pairs each expert kept
-    scale_P: torch.Tensor | None = None  # 1/π of kept sampled pairs (None: every contribution × 1)
-    nonfinite: bool | torch.Tensor | None = None  # non-finite scores alone exceeded a quota (selective)
-    strata: Strata | None = None  # a local selection's strata
-    keep_N: torch.Tensor | None = None  # and its kept mask over the forward's send order
-
-
-# ------------------------------------------------------------------------------- selections
-class ForwardPairs:
-    """Every pair the forward computed (a forward drop's kept ones)."""
-
-    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor | None,
-               channel: Channel) -> Kept:
-        kept_E = call.plan.forward_SE.sum(0)
-        return Kept(call.forward_keep_P, None, kept_E, kept_E)
-
-
-def _scores(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor) -> torch.Tensor:
-    """LRM scores of this rank's pairs."""
-    g_sq_P = squared_norms(g_TD).repeat_interleave(call.ids_TK.shape[1])
-    return lrm_scores(weights_TK.reshape(-1), g_sq_P, h_sq_P)
-
-
-class GlobalSelector:
-    """``lrm``, ``random``, ``sampled``: the kept set chosen across ranks (collective)."""
-
-    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
-               channel: Channel) -> Kept:
-        plan, layer = call.plan, call.layer
-        own, shared = layer.streams.next()
-        sel = select(_scores(call, g_TD, weights_TK, h_sq_P), call.ids_TK.reshape(-1), plan.counts_SE, plan.quota_E,
-                     layer.backward, channel, own, shared)
-        return Kept(sel.keep_P, sel.kept_SE, sel.quota_E, sel.kept_SE.sum(0), sel.scale_P, sel.nonfinite)
-
-
-class StrataSelector:
-    """``local``, ``local-sampled``: drawn in the strata the plan fixes, with no exchange and no
-    device→host read; returns the kept mask over the forward's send order too."""
-
-    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
-               channel: Channel) -> Kept:
-        plan, layer = call.plan, call.layer
-        scores_P = _scores(call, g_TD, weights_TK, h_sq_P)
-        own, _ = layer.streams.next()
-        strata = strata_on(plan_strata(plan.assignment, plan.placement, plan.counts_SE, plan.quota_E, layer.rank),
-                           scores_P.device)
-        send_N = call.rows.pair_idx  # every pair: a selective forward drops none
-        keep_N, scale_N, nonfinite = select_in_strata(scores_P[send_N], strata.group_N, strata.share_G, layer.backward,
-                                                      own)
-        keep_P = torch.zeros_like(scores_P, dtype=torch.bool).index_put_((send_N,), keep_N)
-        scale_P = None if scale_N is None else torch.zeros_like(scores_P).index_put_((send_N,), scale_N)
-        kept_SE = strata.counts.kept_SE
-        return Kept(keep_P, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite, strata, keep_N)
-
-
-Selector = ForwardPairs | GlobalSelector | StrataSelector
-
-
-# ------------------------------------------------------------------------------- row paths
 def _gather_kept(saved: Saved, kept_rows: torch.Tensor | None, meter: MemoryMeter) -> None:
     """Keep-x backward: the kept rows of the saved x (and activations) gathered slot-major, each
     full tensor dropped after its gather (``kept_rows`` None: every row kept, nothing to do)."""
@@ -193,7 +121,7 @@ class KeptByMask(ForwardRows):
         return dy_RD, _take_saved(call)
 
 
-RowPath = ForwardRows
+RowPath = ForwardRows  # every row path is one of its kinds
 
 
 def choose(spec: SystemSpec, keep: str | None, local: bool) -> tuple[Selector, RowPath]:

@@ -26,9 +26,9 @@ from lrmoe.memory.bytes import GIB, ByteModel, expert_param_bytes
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.placement import Placement
 from lrmoe.sim.errors import SimError
+from lrmoe.sim.layer_calls import LayerCall
 from lrmoe.sim.memory import home_bytes
 from lrmoe.sim.models import ModelSpec
-from lrmoe.sim.layer_calls import LayerCall
 from lrmoe.systems import spec_of
 
 __all__ = ["GIB", "dense_bytes", "lrmoe_budget", "per_layer_state", "step_peak_bytes"]

@@ -44,8 +44,8 @@ import numpy as np
 
 from lrmoe.memory.bytes import H_SQ_BYTES, expert_param_bytes, position_bytes
 from lrmoe.sim.hardware import Hardware
-from lrmoe.sim.models import ModelSpec
 from lrmoe.sim.layer_calls import LayerCall
+from lrmoe.sim.models import ModelSpec
 from lrmoe.systems import spec_of
 
 SCORE_BYTES = 8  # float64 LRM scores / routing probabilities exchanged for a global selection

@@ -1,0 +1,85 @@
+"""How a call's backward chooses its kept pairs: every pair the forward computed
+(:class:`ForwardPairs`); a global selection over a score exchange (:class:`GlobalSelector`); a
+local one in the plan's strata, exchanging nothing (:class:`StrataSelector`). Which one a call
+takes is chosen with its row path (:func:`lrmoe.passes.row_paths.choose`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe.parallel.comm import Channel
+from lrmoe.passes.record import CallRecord
+from lrmoe.selection.global_selection import select
+from lrmoe.selection.scores import lrm_scores, squared_norms
+from lrmoe.selection.strata import Strata, plan_strata, select_in_strata, strata_on
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The backward's kept set of this rank's pairs."""
+
+    keep_P: torch.Tensor | None  # bool over this rank's pairs (None: every pair)
+    kept_SE: torch.Tensor | None  # int64 (W, E) kept pairs per source and expert (None: the forward's)
+    quota_E: torch.Tensor  # pairs each expert was to keep
+    kept_E: torch.Tensor  # pairs each expert kept
+    scale_P: torch.Tensor | None = None  # 1/π of kept sampled pairs (None: every contribution × 1)
+    nonfinite: bool | torch.Tensor | None = None  # non-finite scores alone exceeded a quota (selective)
+    strata: Strata | None = None  # a local selection's strata
+    keep_N: torch.Tensor | None = None  # and its kept mask over the forward's send order
+
+
+class Selector:
+    """How a backward chooses its kept pairs."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor | None,
+               channel: Channel) -> Kept:
+        raise NotImplementedError
+
+
+class ForwardPairs(Selector):
+    """Every pair the forward computed (a forward drop's kept ones)."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor | None,
+               channel: Channel) -> Kept:
+        kept_E = call.plan.forward_SE.sum(0)
+        return Kept(call.forward_keep_P, None, kept_E, kept_E)
+
+
+def _scores(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor) -> torch.Tensor:
+    """LRM scores of this rank's pairs."""
+    g_sq_P = squared_norms(g_TD).repeat_interleave(call.ids_TK.shape[1])
+    return lrm_scores(weights_TK.reshape(-1), g_sq_P, h_sq_P)
+
+
+class GlobalSelector(Selector):
+    """``lrm``, ``random``, ``sampled``: the kept set chosen across ranks (collective)."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
+               channel: Channel) -> Kept:
+        plan, layer = call.plan, call.layer
+        own, shared = layer.streams.next()
+        sel = select(_scores(call, g_TD, weights_TK, h_sq_P), call.ids_TK.reshape(-1), plan.counts_SE, plan.quota_E,
+                     layer.backward, channel, own, shared)
+        return Kept(sel.keep_P, sel.kept_SE, sel.quota_E, sel.kept_SE.sum(0), sel.scale_P, sel.nonfinite)
+
+
+class StrataSelector(Selector):
+    """``local``, ``local-sampled``: drawn in the strata the plan fixes, with no exchange and no
+    device→host read; returns the kept mask over the forward's send order too."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
+               channel: Channel) -> Kept:
+        plan, layer = call.plan, call.layer
+        scores_P = _scores(call, g_TD, weights_TK, h_sq_P)
+        own, _ = layer.streams.next()
+        strata = strata_on(plan_strata(plan.assignment, plan.placement, plan.counts_SE, plan.quota_E, layer.rank),
+                           scores_P.device)
+        send_N = call.rows.pair_idx  # every pair: a selective forward drops none
+        keep_N, scale_N, nonfinite = select_in_strata(scores_P[send_N], strata.group_N, strata.share_G, layer.backward,
+                                                      own)
+        keep_P = torch.zeros_like(scores_P, dtype=torch.bool).index_put_((send_N,), keep_N)
+        scale_P = None if scale_N is None else torch.zeros_like(scores_P).index_put_((send_N,), scale_N)
+        kept_SE = strata.counts.kept_SE
+        return Kept(keep_P, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite, strata, keep_N)
