@@ -13,7 +13,7 @@ import torch
 
 from lrmoe import MoEConfig, MoELayer
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"  # tests/benchmarks/ -> the repository root
 MODELS = ("qwen3-30b-a3b", "glm45-air")
 
 

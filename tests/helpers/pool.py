@@ -2,8 +2,10 @@
 
 Starting ranks costs seconds, so a module starts one pool of 4 processes (one thread each)
 and runs every case on it; world sizes 2 and 3 run on subgroups of the same pool. A case is a
-module-level function ``fn(group, *args)`` (``group`` is ``None`` at world size 1); ranks
-outside the case's group skip it. Results come back as a list indexed by rank in the group.
+module-level function ``fn(group, *args)`` (``group`` is ``None`` at world size 1), sent to the
+ranks by pickling, so importable by its module path (``tests.layer.test_counters``, ...) in a
+fresh process; ranks outside the case's group skip it. Results come back as a list indexed by
+rank in the group.
 """
 
 from __future__ import annotations

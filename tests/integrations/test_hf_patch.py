@@ -12,7 +12,7 @@ import torch
 from lrmoe import BackwardConfig, MoELayer
 from lrmoe.integrations.hf import patch_model, unpatch_model
 from lrmoe.parallel import comm
-from tests.test_layer import close
+from tests.helpers.layer import close
 
 
 def tiny_qwen(seed: int = 0):
@@ -171,6 +171,8 @@ def train_patched_case(group, out_dir: str):
     return losses
 
 
-def test_patched_lrmoe_trains_expert_parallel_and_unpatches(pool, tmp_path):
-    losses = pool.run(2, train_patched_case, str(tmp_path))[0]
+def test_patched_lrmoe_trains_expert_parallel_and_unpatches(pool2, tmp_path):
+    # on the 2-rank pool: the case builds process groups (lrmoe.train.groups), and dist.new_group
+    # needs every rank of the pool's default group (tests/conftest.py)
+    losses = pool2.run(2, train_patched_case, str(tmp_path))[0]
     assert losses[-1] < 0.7 * losses[0], losses

@@ -1,4 +1,4 @@
-"""The CUDA path (issue 16): every system of ``lrmoe.systems.SYSTEMS`` at world 1 on the GPU in
+"""The CUDA path: every system of ``lrmoe.systems.SYSTEMS`` at world 1 on the GPU in
 fp32 and bf16 against the same layer on the CPU (outputs and gradients close), and the host
 reads of the selective backward under ``torch.cuda.set_sync_debug_mode``.
 
@@ -28,10 +28,10 @@ TOKENS = 96
 DEVICE = "cuda"  # the device under test; the reference runs on the CPU
 
 # The device→host reads a selective backward (lrmoe, world 1, the default local-sampled
-# selection) may make, as (file, function) → why. Issue 16 allows the kept counts that size the
-# all-to-all splits plus at most one more small read; a local selection needs neither: its kept
+# selection) may make, as (file, function) → why. The most acceptable is the kept counts that size
+# the all-to-all splits plus one more small read; a local selection needs neither: its kept
 # counts come from the plan (lrmoe.selection.strata), its ``nonfinite`` flag stays on the device until
-# ``last_stats`` is read. So none. (tests/test_strata.py checks the same on the CPU by finding
+# ``last_stats`` is read. So none. (tests/selection/test_strata.py checks the same on the CPU by finding
 # every op that needs values on the host; this checks it where it counts.)
 ALLOWED_HOST_READS: dict[tuple[str, str], str] = {}
 

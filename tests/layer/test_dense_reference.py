@@ -1,5 +1,7 @@
 """Foundation: the expert-parallel layer against an independent dense reference, at world sizes
-1–4, with skewed routing, empty ranks and uneven expert ownership; transformers parity."""
+1–4, with skewed routing, empty ranks and uneven expert ownership; (B, S, D) input, recompute,
+no_grad, bad input, and the full state dict's round trip. (transformers parity:
+tests/integrations/test_hf_block.py.)"""
 
 from __future__ import annotations
 
@@ -7,42 +9,8 @@ import pytest
 import torch
 
 from lrmoe import MoEConfig, MoELayer
-from lrmoe.integrations.hf import from_hf_block, hf_block_state_dict
-from tests.reference import reference_grads
-
-ATOL = 2e-5
-
-
-def close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
-    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
-    scale = max(want.float().abs().max().item() if want.numel() else 0.0, 1.0)
-    assert err <= atol * scale, f"{name}: max abs error {err:.3g} (scale {scale:.3g})"
-
-
-def make_problem(cfg: MoEConfig, n_tokens: int, seed: int, skew: str):
-    """A full state dict and full inputs, identical on every rank (seeded)."""
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    sd = MoELayer(cfg).state_dict()
-    x = torch.randn(n_tokens, cfg.dim, generator=gen)
-    g = torch.randn(n_tokens, cfg.dim, generator=gen)
-    if skew != "none":
-        # Every token gets a common direction u; the router row of expert 0 is ∓(large)·u.
-        u = torch.ones(cfg.dim) / cfg.dim**0.5
-        x = x + 3.0 * u
-        sd["router.weight"][0] = (-8.0 if skew == "empty_expert" else 8.0) * u
-    if "router.e_score_correction_bias" in sd:
-        sd["router.e_score_correction_bias"] = 0.1 * torch.randn(cfg.num_experts, generator=gen)
-    return sd, x, g
-
-
-def split_tokens(n_tokens: int, world: int, empty_rank: int | None) -> list[int]:
-    sizes = [n_tokens // world] * world
-    sizes[-1] += n_tokens - sum(sizes)
-    if empty_rank is not None and world > 1:
-        sizes[(empty_rank + 1) % world] += sizes[empty_rank]
-        sizes[empty_rank] = 0
-    return sizes
+from tests.helpers.layer import GLM, QWEN, close, make_problem, split_tokens
+from tests.oracles.dense_moe import reference_grads
 
 
 def ep_case(group, cfg_kwargs: dict, n_tokens: int, seed: int, skew: str, empty_rank, system: str,
@@ -73,11 +41,6 @@ def ep_case(group, cfg_kwargs: dict, n_tokens: int, seed: int, skew: str, empty_
     counts = torch.bincount(ref_ids.flatten(), minlength=cfg.num_experts)
     assert torch.equal(layer.last_stats["counts_E"], counts)
     return {k: layer.last_stats[k] for k in ("recv_rows", "fwd_a2a_bytes", "bwd_a2a_bytes")}
-
-
-QWEN = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
-GLM = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2, router="sigmoid", n_group=2, topk_group=1,
-           routed_scaling_factor=2.5, num_shared_experts=1, shared_ffn_dim=12)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -134,70 +97,7 @@ def test_bad_input():
             MoEConfig(**{**QWEN, field: value})
 
 
-# ------------------------------------------------------------------- transformers parity
-
-
-def hf_blocks():
-    from transformers import Glm4MoeConfig, Qwen3MoeConfig
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    torch.manual_seed(0)
-    q = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=24, num_experts=8,
-                                              num_experts_per_tok=2, norm_topk_prob=True))
-    glm = Glm4MoeMoE(Glm4MoeConfig(hidden_size=16, moe_intermediate_size=24, n_routed_experts=8,
-                                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-                                   routed_scaling_factor=1.5, norm_topk_prob=True))
-    for block in (q, glm):
-        for p in block.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-        if hasattr(block.gate, "e_score_correction_bias"):
-            block.gate.e_score_correction_bias.normal_(std=0.05)
-    return {"qwen3": q, "glm45": glm}
-
-
-def hf_case(group, kind: str):
-    from lrmoe.parallel import comm
-
-    block = hf_blocks()[kind]
-    world, rank = comm.world_size(group), comm.rank_of(group)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 12, 16, generator=gen)
-    g = torch.randn(2, 12, 16, generator=gen)
-    xr = x.clone().requires_grad_(True)
-    block(xr).backward(g)
-    hf_grads = {
-        "router.weight": block.gate.weight.grad,
-        "experts.gate_up_proj": block.experts.gate_up_proj.grad,
-        "experts.down_proj": block.experts.down_proj.grad,
-    }
-    if kind == "glm45":
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            hf_grads[f"shared_experts.{proj}.weight"] = getattr(block.shared_experts, proj).weight.grad
-    with torch.no_grad():
-        hf_out = block(x)
-
-    if world == 1:
-        layer = from_hf_block(block)
-    else:
-        base = from_hf_block(block)
-        layer = MoELayer(base.config, group=group)
-        layer.load_full_state_dict(hf_block_state_dict(block))
-    per = x.shape[0] // world
-    xs = x[rank * per : (rank + 1) * per].clone().requires_grad_(True)
-    out = layer(xs)
-    out.backward(g[rank * per : (rank + 1) * per])
-    close("hf out", out.detach(), hf_out[rank * per : (rank + 1) * per])
-    close("hf dx", xs.grad, xr.grad[rank * per : (rank + 1) * per])
-    grads = layer.gather_full_grads()
-    for name, want in hf_grads.items():
-        close(f"hf grad {name}", grads[name], want)
-
-
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("kind", ["qwen3", "glm45"])
-def test_transformers_parity(pool, world, kind):
-    pool.run(world, hf_case, kind)
+# ------------------------------------------------------------------- full state dict
 
 
 def test_full_state_dict_roundtrip(pool):

@@ -1,24 +1,22 @@
-"""What lrmoe's expert side keeps from forward to backward (issue 19, item 2): nothing (x
-re-sent, recompute), x (only dy travels, to where the forward computed the pair; recompute) or x
-and the activations (static's backward on the kept rows). Every mode gives the same gradients
-as the reference with the same kept set and weights; the meter's peak equals the replay's; the
-choice follows the cap; at ρ = 0.9 keep-x sends fewer backward bytes than static."""
+"""What lrmoe's expert side keeps from forward to backward: nothing (x re-sent, recompute), x
+(only dy travels, to where the forward computed the pair; recompute) or x and the activations
+(static's backward on the kept rows). Every mode gives the same gradients as the reference with
+the same kept set and weights; the meter's peak equals the replay's; at ρ = 0.9 keep-x sends
+fewer backward bytes than static. (The choice following the cap:
+tests/planning/test_memory_cap.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
+from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.parallel import comm
 from lrmoe.planning import cap_fit as fit
-from lrmoe.planning.planner import LayerPlanner
-from lrmoe.systems import spec_of
-from tests.pool import RankPool
-from tests.reference import reference_grads
-from tests.test_counters import Recorder
-from tests.test_layer import QWEN, close, make_problem, split_tokens
+from tests.helpers.layer import QWEN, Recorder, close, make_problem, split_tokens
+from tests.helpers.pool import RankPool
+from tests.oracles.dense_moe import reference_grads
 
 
 @pytest.fixture(scope="module")
@@ -127,42 +125,3 @@ def test_local_sampled_keep_x_sends_less_than_static(pool):
     static = sum(r[0] for r in pool.run(4, bytes_case, "static", 1.0))
     lrmoe = sum(r[0] for r in pool.run(4, bytes_case, "lrmoe", 0.9))
     assert lrmoe < static, (lrmoe, static)
-
-
-def _predicted(planner: LayerPlanner, plan, mode: str) -> list[int]:
-    """Every rank's predicted peak in ``mode``: kept pairs where the forward computed them."""
-    rows_ER = plan.assignment.rows_ER()
-    bwd_R = torch.minimum(rows_ER, plan.quota_E.view(-1, 1)).sum(0).tolist()
-    fwd_R = rows_ER.sum(0).tolist()
-    pl, cfg = plan.placement, planner.config
-    return [expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, RankWork(
-        int(fwd_R[r]), int(bwd_R[r]), len(pl.slots[r]), len(pl.owned(r)), plan.chunk_rows_R[r], planner.world,
-        pl.num_copies > cfg.num_experts, keep=mode)) for r in range(planner.world)]
-
-
-def test_the_choice_is_the_richest_that_fits():
-    cfg, world = MoEConfig(**QWEN), 2
-    sd, x, _ = make_problem(cfg, 96, 5, "hot")
-    layer = MoELayer(cfg)
-    layer.load_full_state_dict(sd)
-    with torch.no_grad():
-        ids = layer.router(x).ids_TK
-    counts_SE = torch.stack([torch.bincount(ids[r * 48:(r + 1) * 48].flatten(), minlength=8) for r in range(world)])
-    spec, bw = spec_of("lrmoe"), BackwardConfig(ratio=0.9)
-    assert LayerPlanner(spec, cfg, world, backward=bw).plan_call(counts_SE).keep == KEEP_X_ACTS, "no cap: fastest"
-    seen = set()
-    # one fixed replica slot a rank: its memory (and the owned weights' second copy) leaves the
-    # cap's range room for every mode, poorest to richest
-    for cap in range(75_000, 135_000, 5_000):
-        planner = LayerPlanner(spec, cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=5), backward=bw)
-        plan = planner.plan_call(counts_SE)
-        assert plan.stats["keep_mode"] == plan.keep
-        seen.add(plan.keep)
-        richer = KEEP_MODES[:KEEP_MODES.index(plan.keep)]
-        for mode in richer:  # every richer mode is over the cap on some rank (or needs acts of a chunked forward)
-            chunked = any(c < n for c, n in zip(plan.chunk_rows_R, plan.assignment.rows_R()))
-            assert (mode == KEEP_X_ACTS and chunked) or max(_predicted(planner, plan, mode)) > cap, (cap, mode)
-        if plan.keep != KEEP_NOTHING:
-            assert max(_predicted(planner, plan, plan.keep)) <= cap
-        assert planner.plan_call(counts_SE, training=False).keep is None, "a forward-only call keeps nothing"
-    assert seen == set(KEEP_MODES), seen

@@ -1,8 +1,10 @@
-"""One memory cap for every system (issue 14, docs/design.md "The paper's regime"): under
+"""One memory cap for every system on the real layer (docs/design.md "The paper's regime"): under
 ``ClusterBudget(memory_bytes=M)`` each system's measured expert-side peak stays within M on
 every rank, call after call and step after step, or every rank raises the same
 ``MemoryBudgetExceeded`` before rows move; the planner's predicted peak is the measured one;
-replicated systems stay exact (equal to static) with fewer copies where the cap asks for it."""
+replicated systems stay exact (equal to static) with fewer copies where the cap asks for it; a
+chunked forward within the cap is exact. (What the planner alone does under the cap:
+tests/planning/test_memory_cap.py.)"""
 
 from __future__ import annotations
 
@@ -10,14 +12,10 @@ import pytest
 import torch
 
 from lrmoe import SYSTEMS, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
-from lrmoe.memory.bytes import RankWork, expert_side_peak
 from lrmoe.parallel import comm
 from lrmoe.planning.planner import LayerPlanner
 from lrmoe.systems import BackwardKind, spec_of
-from tests.reference import route
-from tests.test_layer import close
-from tests.test_replicas import skewed_tokens
-from tests.test_systems import _kwargs
+from tests.helpers.layer import close, skewed_tokens, system_kwargs
 
 CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
 N = 96  # tokens over all ranks: the hot expert's rows weigh as much as a rank's parameters
@@ -32,7 +30,7 @@ def _exact(system: str) -> bool:
 
 
 def _budget(system: str, world: int, cap: int) -> tuple[ClusterBudget, dict]:
-    kw = _kwargs(system, world, 2 if world == 4 else 1)
+    kw = system_kwargs(system, world, 2 if world == 4 else 1)
     extra = kw.pop("budget", None)
     topo = {} if extra is None else {"ranks_per_node": extra.ranks_per_node, "inter_node_gbps": extra.inter_node_gbps}
     return ClusterBudget(memory_bytes=cap, **topo), kw
@@ -134,71 +132,6 @@ def test_laer_assembles_fewer_experts_within_the_cap(pool):
     assert _check(res, "laer") == "ok"
 
 
-def _counts_SE(world: int) -> torch.Tensor:
-    cfg = MoEConfig(**CFG)
-    sd, x, _ = skewed_tokens(cfg, N, SEED, "hot")
-    _, ids = route(x, sd, cfg)
-    return torch.stack([torch.bincount(ids[r * N // world:(r + 1) * N // world].reshape(-1), minlength=8)
-                        for r in range(world)])
-
-
-def _static_peak(world: int, counts_SE: torch.Tensor) -> int:
-    cfg = MoEConfig(**CFG)
-    rows = LayerPlanner(spec_of("static"), cfg, world).plan_call(counts_SE).assignment.rows_R()
-    owned = cfg.num_experts // world
-    return max(expert_side_peak("static", cfg.dim, cfg.ffn_dim, 4, RankWork(int(n), int(n), owned, owned, None, world))
-               for n in rows)
-
-
-def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
-    cfg, world = MoEConfig(**CFG), 4
-    counts_SE = _counts_SE(world)
-    cap = int(0.7 * _static_peak(world, counts_SE))
-    default = LayerPlanner(spec_of("symi"), cfg, world).default_slots_R
-    # the default slots, fixed, cannot hold the call within the cap: every rank is told so
-    fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=default))
-    with pytest.raises(MemoryBudgetExceeded, match="memory budget too small: rank") as err:
-        fixed.plan_call(counts_SE)
-    assert err.value.cap == cap and err.value.needed > cap
-    # derived from the cap: fewer copies, re-planned inside the call and then at every step
-    planner = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap))
-    for _ in range(3):
-        plan = planner.plan_call(counts_SE)
-        copies = [len(s) for s in plan.placement.slots]
-        assert max(plan.peak_R) <= cap
-        assert copies != default and all(2 <= c <= d for c, d in zip(copies, default)), copies
-        assert plan.placement.num_copies > cfg.num_experts, "still replicates the hot expert"
-        planner.step_end()
-    # an ample cap keeps the unconstrained default
-    ample = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=10**9))
-    ample.plan_call(counts_SE)
-    ample.step_end()
-    assert ample.slots_R == default
-
-
-def test_static_that_cannot_fit_raises_with_rank_need_and_cap():
-    cfg = MoEConfig(**CFG)
-    counts_SE = _counts_SE(2)
-    need = _static_peak(2, counts_SE)
-    planner = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need - 1))
-    with pytest.raises(MemoryBudgetExceeded) as err:
-        planner.plan_call(counts_SE)
-    e = err.value
-    assert isinstance(e, ValueError) and (e.rank, e.needed, e.cap) == (0, need, need - 1)
-    msg = str(e)
-    assert f"rank 0 needs {need} bytes" in msg and f"is {need - 1}" in msg
-    assert "x and activations" in msg and "static-recompute" in msg and "fewer tokens" in msg
-    assert LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need)).plan_call(
-        counts_SE).peak_R[0] == need
-    # a cap below the owned experts' parameters and gradients fails when the layer is built
-    with pytest.raises(MemoryBudgetExceeded, match="experts it owns"):
-        MoELayer(cfg, system="static-recompute", budget=ClusterBudget(memory_bytes=1000))
-    import pickle
-
-    again = pickle.loads(pickle.dumps(e))
-    assert (again.rank, again.needed, again.cap, str(again)) == (e.rank, e.needed, e.cap, msg)
-
-
 @pytest.mark.parametrize("system", ["masked", "static-recompute"])
 def test_chunked_forward_within_the_cap_is_exact(system):
     """World size 1, a cap just below the unchunked forward's need: the forward runs in chunks
@@ -226,10 +159,3 @@ def test_chunked_forward_within_the_cap_is_exact(system):
     close("dx", xs.grad, xf.grad)
     for name, p in layer.named_parameters():
         close(name, p.grad, dict(free.named_parameters())[name].grad)
-
-
-def test_laer_with_too_few_fixed_slots_is_a_slot_error_not_a_memory_one():
-    planner = LayerPlanner(spec_of("laer"), MoEConfig(**CFG), 2, budget=ClusterBudget(memory_bytes=10**9, slots=1))
-    with pytest.raises(ValueError, match="can assemble only 2") as err:
-        planner.plan_call(_counts_SE(2))
-    assert not isinstance(err.value, MemoryBudgetExceeded)

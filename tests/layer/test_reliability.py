@@ -9,24 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
-from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
+from lrmoe import ClusterBudget, MoEConfig, MoELayer
 from lrmoe.parallel import comm
-from lrmoe.systems import SYSTEMS
-from tests.reference import reference_grads
-from tests.test_layer import close, split_tokens
-
-ALL_SYSTEMS = SYSTEMS
-
-
-def _layer(cfg, system, group, ratio=1.0):
-    kw = {}
-    if system in ("lrmoe", "masked"):
-        kw["backward"] = BackwardConfig(ratio=ratio)
-    if system == "capacity":
-        kw["capacity_factor"] = 100.0  # nothing overflows: the complete reference applies
-    if system == "topoep":
-        kw["budget"] = ClusterBudget(ranks_per_node=1)
-    return MoELayer(cfg, system=system, group=group, **kw)
+from tests.helpers.fuzz import ALL_SYSTEMS, any_system_layer, fuzz_case
+from tests.helpers.layer import close, split_tokens
+from tests.oracles.dense_moe import reference_grads
 
 
 def extreme_case(group, case: str, dtype: str, systems=ALL_SYSTEMS):
@@ -64,7 +51,7 @@ def extreme_case(group, case: str, dtype: str, systems=ALL_SYSTEMS):
     ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, MoEConfig(dim=16, ffn_dim=16, num_experts=E, top_k=K))
     tol = 2e-5 if dtype == "float32" else 6e-2
     for system in systems:
-        layer = _layer(cfg, system, group)
+        layer = any_system_layer(cfg, system, group)
         layer.load_full_state_dict({k: v.to(cfg.torch_dtype) if v.is_floating_point() and "router" not in k
                                     else v for k, v in sd.items()})
         xs = x[lo:hi].to(cfg.torch_dtype).clone().requires_grad_(True)
@@ -100,34 +87,7 @@ def test_routing_extremes_bf16(pool, world, case):
     pool.run(world, extreme_case, case, "bfloat16")
 
 
-# ------------------------------------------------------------------- fuzz
-
-
-def fuzz_case(group, E, K, D, skew, system, shape3d, seed):
-    world, rank = comm.world_size(group), comm.rank_of(group)
-    cfg = MoEConfig(dim=D, ffn_dim=12 if system == "laer" else D, num_experts=E, top_k=K)  # laer: F % W == 0
-    torch.manual_seed(seed)
-    sd = MoELayer(cfg).state_dict()
-    gen = torch.Generator().manual_seed(seed + 1)
-    n = 6 * world
-    x = torch.randn(n, D, generator=gen)
-    g = torch.randn(n, D, generator=gen)
-    if skew:
-        u = torch.ones(D) / D**0.5
-        x = x + skew * u
-        sd["router.weight"][0] = 4.0 * u
-    lo, hi = rank * 6, (rank + 1) * 6
-    layer = _layer(cfg, system, group)
-    layer.load_full_state_dict(sd)
-    xs = x[lo:hi].clone().requires_grad_(True)
-    inp = xs.view(2, 3, D) if shape3d else xs
-    layer(inp).reshape(-1, D).backward(g[lo:hi])
-    ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg)
-    close("dx", xs.grad, ref_dx[lo:hi])
-    grads = layer.gather_full_grads()
-    for name, want in ref_grads.items():
-        close(name, grads[name], want)
-    return True
+# ------------------------------------------------------------------- fuzz (the case: tests/helpers/fuzz.py)
 
 
 configs = st.tuples(

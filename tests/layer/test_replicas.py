@@ -1,29 +1,19 @@
-"""Replicated expert parallelism (symi, budgeted lrmoe), the controller, capacity dropping."""
+"""Replicated expert parallelism on the real layer (symi, budgeted lrmoe): exact against the dense
+reference and static, a memory budget respected with quotas monotone in it, a network budget
+bounding the kept rows, skewed workloads (lrmoe, symi, capacity), and the bytes of a replica
+refresh counted. (The planners alone: tests/planning/.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lrmoe import ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
-from lrmoe.memory.bytes import ByteModel
+from lrmoe import ClusterBudget, MoEConfig, MoELayer
 from lrmoe.parallel import comm
-from lrmoe.planning.controller import Controller, max_min_quotas
-from lrmoe.planning.placement import Placement, plan_replicas
-from tests.reference import reference_grads
-from tests.test_layer import close, make_problem, split_tokens
+from tests.helpers.layer import close, skewed_tokens, split_tokens
+from tests.oracles.dense_moe import reference_grads
 
 CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
-
-
-def skewed_tokens(cfg, n, seed, skew):
-    """Inputs whose routing is skewed: 'hot' pushes most tokens to expert 0."""
-    sd, x, g = make_problem(cfg, n, seed, "none")
-    if skew == "hot":
-        u = torch.ones(cfg.dim) / cfg.dim**0.5
-        x = x + 2.0 * u
-        sd["router.weight"][0] = 4.0 * u
-    return sd, x, g
 
 
 def replicated_case(group, system, steps, skew, budget_bytes=None, link_gbps=None):
@@ -87,57 +77,6 @@ def test_budgeted_lrmoe_with_ample_budget_is_exact(pool, world):
     assert len(fast[0][0][-1][0]) > 1, "the hot expert replicated"
     slow = pool.run(world, replicated_case, "lrmoe", 2, "hot", 50_000_000)
     assert all(len(h) == 1 for h in slow[0][0][-1])
-
-
-def test_replica_planner():
-    base = Placement.static(8, 4)
-    load = torch.tensor([100.0, 1, 1, 1, 1, 1, 1, 1])
-    p = plan_replicas(base, load, [3, 3, 3, 3])
-    assert len(p.holders(0)) == 4, "the hot expert is copied to every rank"
-    assert all(len(s) <= 3 for s in p.slots)
-    assert all(p.owned(r) == base.owned(r) for r in range(4)), "ownership never moves"
-    assert p.slots[0][:2] == (0, 1) and p.replicas(0) == tuple(sorted(p.replicas(0)))
-    with pytest.raises(ValueError, match="owns"):
-        plan_replicas(base, load, [1, 3, 3, 3])
-
-
-# ------------------------------------------------------------------- controller
-
-
-def test_max_min_quotas_properties():
-    counts = torch.tensor([100, 50, 10, 0, 40])
-    holders = [[0], [0, 1], [1], [1], [2]]
-    q = max_min_quotas(counts, holders, [60, 30, 100])
-    assert (q <= counts).all() and q[3] == 0
-    assert q[4] == 40, "an expert on an idle rank keeps everything"
-    assert int(q[:3].sum()) == 90, "the bottleneck ranks are filled"
-    ratios = q[:3].double() / counts[:3].double()
-    assert ratios.max() - ratios.min() < 0.05, "max-min fair: one ratio for the bottleneck"
-    # ample capacity: exact
-    assert torch.equal(max_min_quotas(counts, holders, [1000] * 3), counts)
-    # monotone in capacity
-    prev = torch.zeros(5, dtype=torch.long)
-    for cap in (10, 20, 40, 80, 160, 320):
-        q = max_min_quotas(counts, holders, [cap] * 3)
-        assert (q >= prev).all()
-        prev = q
-    with pytest.raises(ValueError, match="one pair of every expert"):
-        max_min_quotas(counts, holders, [1, 0, 5])
-
-
-def test_controller_budget_errors():
-    cfg = MoEConfig(**CFG)
-    slot = ByteModel.of(cfg).slot
-    with pytest.raises(ValueError, match="memory budget too small"):
-        Controller(cfg, ClusterBudget(slot), 2).slots(Placement.static(8, 2))
-    with pytest.raises(ValueError, match="memory_bytes"):
-        ClusterBudget(0)
-    with pytest.raises(ValueError, match="slots"):
-        ClusterBudget(10**6, slots=[1, 0])
-    # every system takes the memory cap (issue 14); one below the owned experts fails at build
-    MoELayer(cfg, system="static", budget=ClusterBudget(10**6))
-    with pytest.raises(MemoryBudgetExceeded, match="memory budget too small"):
-        MoELayer(cfg, system="static", budget=ClusterBudget(slot))
 
 
 def budget_case(group, fraction):
@@ -235,59 +174,7 @@ def test_skewed_workloads(pool, system, pattern):
     assert all(peak > 0 for peak, _ in res)
 
 
-# ------------------------------------------------------------------- capacity factor
-
-
-def capacity_case(group, factor):
-    cfg = MoEConfig(**CFG)
-    world, rank = comm.world_size(group), comm.rank_of(group)
-    sd, x, g = skewed_tokens(cfg, 48, 7, "hot")
-    lo, hi = rank * 48 // world, (rank + 1) * 48 // world
-    layer = MoELayer(cfg, system="capacity", group=group, capacity_factor=factor)
-    layer.load_full_state_dict(sd)
-    xs = x[lo:hi].clone().requires_grad_(True)
-    out = layer(xs)
-    out.backward(g[lo:hi])
-    # reference: every expert keeps its ceil(C·P/E) most probable pairs, dropped pairs vanish
-    # from both passes (router weight included)
-    with torch.no_grad():
-        from tests.reference import route
-
-        w, ids = route(x, {k: v for k, v in sd.items()}, cfg)
-    cap = int(torch.tensor(factor * ids.numel() / cfg.num_experts).ceil())
-    keep = torch.zeros_like(ids, dtype=torch.bool)
-    for e in range(cfg.num_experts):
-        where = (ids == e).nonzero()
-        order = torch.argsort(w[where[:, 0], where[:, 1]].double(), descending=True, stable=True)
-        top = where[order[:cap]]
-        keep[top[:, 0], top[:, 1]] = True
-    assert torch.equal(layer.last_kept, keep[lo:hi])
-    params = {k: v.detach().clone().requires_grad_("bias" not in k) for k, v in sd.items()}
-    xr = x.clone().requires_grad_(True)
-    ref = _dropped_reference(xr, params, cfg, keep)
-    ref.backward(g)
-    close("out", out.detach(), ref.detach()[lo:hi])
-    close("dx", xs.grad, xr.grad[lo:hi])
-    grads = layer.gather_full_grads()
-    for name, p in params.items():
-        if p.requires_grad:
-            close(f"grad {name}", grads[name], p.grad)
-    return int(keep[lo:hi].sum())
-
-
-def _dropped_reference(x, params, cfg, keep):
-    from tests.reference import expert_outputs, route
-
-    w, ids = route(x, params, cfg)
-    y, _ = expert_outputs(x, params)
-    t = torch.arange(x.shape[0]).unsqueeze(1).expand_as(ids)
-    return (w.unsqueeze(-1) * y[ids, t] * keep.unsqueeze(-1)).sum(1)
-
-
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_capacity_factor_drops_in_both_passes(pool, world):
-    kept = sum(pool.run(world, capacity_case, 1.0))
-    assert kept < 48 * 2
+# ------------------------------------------------------------------- refresh bytes, network budget
 
 
 def placement_bytes_case(group):
@@ -328,109 +215,3 @@ def test_network_budget_bounds_kept_rows(pool):
     tight = pool.run(2, network_case, 40 * 3 * 16 * 4)[0]
     loose = pool.run(2, network_case, 10**9)[0]
     assert tight < loose == 512
-
-
-# ------------------------------------------------------------- lrmoe's replicas chosen by cost
-
-
-def _lrmoe_planner(cap: int, link_gbps: float | None = None, dim: int = 64, ffn: int = 128):
-    from lrmoe.planning.planner import LayerPlanner
-    from lrmoe.systems import spec_of
-
-    cfg = MoEConfig(dim=dim, ffn_dim=ffn, num_experts=8, top_k=2)
-    return LayerPlanner(spec_of("lrmoe"), cfg, 2, budget=ClusterBudget(cap, inter_node_gbps=link_gbps))
-
-
-def test_replica_candidates():
-    from lrmoe.planning.replica_search import replica_candidates
-
-    assert replica_candidates(0) == [0]
-    assert replica_candidates(2) == [0, 1, 2]
-    assert replica_candidates(20) == [0, 1, 2, 3, 4, 6, 8, 12, 16, 20]
-
-
-@pytest.mark.parametrize("link_gbps, want_replicas", [(1e6, True), (1e-3, False)])
-def test_lrmoe_replicas_follow_their_cost(link_gbps, want_replicas):
-    """One hot expert, an ample cap: every plan keeps every pair, so the predicted time decides:
-    replicating the hot expert pays on a fast link and not on a slow one. Re-planned every step,
-    from the last call's counts; before any call, owned experts only."""
-    planner = _lrmoe_planner(50_000_000, link_gbps)
-    assert planner.placement.num_copies == 8 and planner.replan_interval == 1
-    counts_SE = torch.tensor([[400, 10, 10, 10, 10, 10, 10, 10]] * 2)
-    for _ in range(2):
-        plan = planner.plan_call(counts_SE)
-        assert int(plan.quota_E.sum()) == int(counts_SE.sum()), "an ample cap keeps every pair"
-        planner.step_end()
-    assert (len(planner.placement.holders(0)) > 1) == want_replicas
-    if not want_replicas:
-        assert planner.placement.num_copies == 8
-
-
-def test_lrmoe_replicas_that_cost_kept_rows_are_not_taken():
-    """Under a cap that binds, a replica's memory would hold kept rows instead: with a balanced
-    load the search keeps owned experts only, even on a free link, and keeps at least as many
-    pairs as a plan with one replica slot a rank (fixed slots) would, where that one fits at all."""
-    from lrmoe.planning.planner import LayerPlanner
-    from lrmoe.systems import spec_of
-
-    counts_SE = torch.tensor([[60] * 8] * 2)
-    bm = ByteModel.of(MoEConfig(dim=64, ffn_dim=128, num_experts=8, top_k=2))
-    cap = 4 * bm.slot + 480 * bm.fwd_io + 320 * bm.bwd_kept  # room for about 2/3 of a rank's 480 rows
-    planner = _lrmoe_planner(cap, 1e6)
-    for _ in range(2):
-        kept = int(planner.plan_call(counts_SE).quota_E.sum())
-        planner.step_end()
-    assert planner.placement.num_copies == 8, "no replica"
-    assert 0 < kept < int(counts_SE.sum()), "the cap binds"
-    try:
-        fixed = LayerPlanner(spec_of("lrmoe"), planner.config, 2, budget=ClusterBudget(cap, slots=5))
-        assert kept > int(fixed.plan_call(counts_SE).quota_E.sum())
-    except MemoryBudgetExceeded:
-        pass  # a replica slot does not even fit beside the forward's rows
-
-
-def test_lrmoe_replica_search_walks_from_the_last_choice(monkeypatch):
-    """A later search scores the last choice and its neighbours, walking on only while the best
-    is at the edge: under a steady load three plans, with the choice of a search over all."""
-    import copy
-
-    import lrmoe.planning.planner
-
-    planner = _lrmoe_planner(50_000_000, 1e6)
-    planner.default_slots_R = [12, 12]  # room for more candidates: 0, 1, 2, 3, 4, 6, 8
-    hot = torch.tensor([[400, 200, 10, 10, 10, 10, 10, 10]] * 2)
-    scored = []
-    real = lrmoe.planning.planner.LayerPlanner._controller_forward
-    monkeypatch.setattr(lrmoe.planning.planner.LayerPlanner, "_controller_forward",
-                        lambda self, *a: scored.append(1) or real(self, *a))
-    planner.plan_call(hot)
-    planner.step_end()
-    first = len(scored)
-    assert first >= 6, "the first search scores every candidate"
-    for _ in range(planner.search_interval - 1):
-        planner.plan_call(hot)
-        scored.clear()
-        everything = copy.deepcopy(planner)._controller_replicas(in_call=True)
-        scored.clear()
-        planner.step_end()
-    assert planner.steps == planner.search_interval
-    assert 3 <= len(scored) <= 4, len(scored)
-    assert planner.placement.slots == everything.slots, "the walk finds the full search's choice"
-
-
-def test_lrmoe_replica_count_is_searched_every_replan_interval():
-    """The replicas follow the load every step; their number is searched every replan_interval
-    steps (default 10): a hot expert that cools keeps its replicas until the next search."""
-    planner = _lrmoe_planner(50_000_000, 1e6)
-    hot, flat = torch.tensor([[400, 10, 10, 10, 10, 10, 10, 10]] * 2), torch.tensor([[60] * 8] * 2)
-    planner.plan_call(hot)
-    planner.step_end()
-    chosen = planner._replica_k
-    assert chosen and planner.placement.num_copies > 8
-    for step in range(2, 11):
-        planner.plan_call(flat)
-        planner.step_end()
-        if step < planner.search_interval:
-            assert planner._replica_k == chosen, step
-    assert planner.steps == 10 and planner._replica_k == 0 and planner.placement.num_copies == 8
-    assert planner.state()["replica_k"] == 0

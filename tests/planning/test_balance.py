@@ -1,9 +1,12 @@
 """assign_min_peak against an independent exact method (binary search over the peak with a
-networkx max-flow feasibility test), property-based."""
+networkx max-flow feasibility test), property-based; the compact pair assignment's views against
+its dense form; and assign_min_peak against the planner it replaced (tests/oracles/planners.py),
+bit for bit and error for error, on random cases and at paper scale (128 experts x 64 ranks)."""
 
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +14,8 @@ from hypothesis import strategies as st
 
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.balance import assign_min_peak, min_peak_assignment
+from tests.helpers.planning import paper_scale, random_counts, random_holders, same_outcome
+from tests.oracles.planners import ref_assign_min_peak
 
 
 def optimal_peak(counts, holders, capacity=None, base=None):
@@ -166,3 +171,39 @@ def test_pair_assignment_views_match_the_dense_form(R, E, rnd):
         for r in range(R):
             assert torch.equal(pairs.received_SL(r, experts), dense[experts, :, r].t().reshape(R, len(experts)))
     assert torch.equal(compact.dense(), assign_min_peak(counts, holders))
+
+
+# ------------------------------------------------------------------- against the frozen planner
+
+
+def test_assign_min_peak_matches_reference():
+    rng = np.random.default_rng(0)
+    for case in range(600):
+        R = int(rng.integers(1, 11))
+        E = int(rng.integers(0, 33)) if case % 50 else 0
+        counts = random_counts(rng, (E, R))
+        holders = random_holders(rng, E, R, messy=case % 7 == 0)
+        if case % 29 == 0 and E:
+            holders[-1] = [R]  # not a rank
+        base = None if rng.random() < 0.5 else rng.integers(0, 40, R).tolist()
+        capacity = None
+        if rng.random() < 0.7:  # from ample down to infeasible, sometimes below the base
+            low = np.asarray(base or [0] * R)
+            capacity = (low + rng.integers(-2, 1 + int(counts.sum()) // max(R // 2, 1) + 3, R)).tolist()
+        same_outcome(ref_assign_min_peak, assign_min_peak, torch.from_numpy(counts), holders, capacity, base)
+
+
+def test_assign_min_peak_matches_reference_at_paper_scale():
+    for seed in range(3):
+        counts_SE, _, placement = paper_scale(seed)
+        holders = placement.holder_lists
+        assign = same_outcome(ref_assign_min_peak, assign_min_peak, counts_SE.t(), holders)
+        # the layer's call: the placement's own index, one entry per (expert, holder)
+        compact = min_peak_assignment(counts_SE.t(), placement.holder_index)
+        assert torch.equal(compact.dense(), assign)
+        assert [(int(e), int(r)) for e, r in zip(compact.expert_H, compact.rank_H)] == [
+            (e, r) for e, hs in enumerate(holders) for r in hs]
+        cap = [int(assign.sum((0, 1)).max()) * 9 // 10] * counts_SE.shape[0]  # below the peak: infeasible
+        same_outcome(ref_assign_min_peak, assign_min_peak, counts_SE.t(), holders, cap)
+        kept = counts_SE.t() // 2
+        same_outcome(ref_assign_min_peak, assign_min_peak, kept, holders, [int(kept.sum()) // 50] * len(cap))

@@ -1,10 +1,12 @@
-"""lrmoe.planning.quotas' fast path against the reference it must match bit for bit (the frozen copy in
-test_planning_speedups), on instances chosen to exercise each of its shortcuts: ample ranks left
-out of round 1's max-flow, frozen sets that fill their holders exactly leaving the problem (and
-the next round's first blocking set derived without a max-flow), rounds whose last set does not
-fill its holders (tied counts), leftover capacity (the reference then runs), messy holder lists,
-infeasible capacities (the same error text), and the ratio from the steps of q, including counts
-whose sums pass 2⁵³."""
+"""Max-min fair quotas (lrmoe.planning.quotas) and the largest common ratio
+(lrmoe.planning.quota_ratio): their properties on a small case; the fast path against the
+quotas before the speed-ups (tests/oracles/planners.py), which it must match bit for bit, on
+random and paper-scale instances and on instances chosen to exercise each of its shortcuts: ample
+ranks left out of round 1's max-flow, frozen sets that fill their holders exactly leaving the
+problem (and the next round's first blocking set derived without a max-flow), rounds whose last
+set does not fill its holders (tied counts), leftover capacity (the reference then runs), messy
+holder lists, infeasible capacities (the same error text), and the ratio from the steps of q,
+including counts whose sums pass 2⁵³."""
 
 from __future__ import annotations
 
@@ -14,12 +16,29 @@ import torch
 
 from lrmoe.planning.quota_ratio import fair_quotas, largest_ratio, quota_array
 from lrmoe.planning.quotas import _contested_experts, max_min_quotas
-from tests.test_planning_speedups import (
-    random_holders,
-    ref_largest_ratio,
-    ref_max_min_quotas,
-    same_outcome,
-)
+from tests.helpers.planning import paper_scale, random_counts, random_holders, same_outcome
+from tests.oracles.planners import ref_largest_ratio, ref_max_min_quotas
+
+
+def test_max_min_quotas_properties():
+    counts = torch.tensor([100, 50, 10, 0, 40])
+    holders = [[0], [0, 1], [1], [1], [2]]
+    q = max_min_quotas(counts, holders, [60, 30, 100])
+    assert (q <= counts).all() and q[3] == 0
+    assert q[4] == 40, "an expert on an idle rank keeps everything"
+    assert int(q[:3].sum()) == 90, "the bottleneck ranks are filled"
+    ratios = q[:3].double() / counts[:3].double()
+    assert ratios.max() - ratios.min() < 0.05, "max-min fair: one ratio for the bottleneck"
+    # ample capacity: exact
+    assert torch.equal(max_min_quotas(counts, holders, [1000] * 3), counts)
+    # monotone in capacity
+    prev = torch.zeros(5, dtype=torch.long)
+    for cap in (10, 20, 40, 80, 160, 320):
+        q = max_min_quotas(counts, holders, [cap] * 3)
+        assert (q >= prev).all()
+        prev = q
+    with pytest.raises(ValueError, match="one pair of every expert"):
+        max_min_quotas(counts, holders, [1, 0, 5])
 
 
 def skewed(rng, E: int, W: int) -> tuple[torch.Tensor, list[list[int]], list[int]]:
@@ -131,3 +150,45 @@ def test_fair_quotas_are_the_quotas_at_the_largest_ratio():
         assert largest_ratio(c, room) == rho, (c.tolist(), room)
         counts = c.tolist()
         assert fair_quotas(counts, [float(x) for x in counts], room) == quota_array(c, rho).tolist(), (counts, room)
+
+
+def test_max_min_quotas_matches_reference():
+    rng = np.random.default_rng(1)
+    for case in range(600):
+        R = int(rng.integers(1, 10))
+        E = int(rng.integers(0, 30)) if case % 50 else 0
+        counts = random_counts(rng, (E,))
+        if rng.random() < 0.3 and E > 1:
+            counts[rng.integers(0, E, E // 2)] = counts[0]  # repeated counts: steps coincide
+        holders = random_holders(rng, E, R, messy=case % 7 == 0)
+        scale = max(int(counts.sum()) // R, 1)
+        cap = (rng.random(R) * scale * rng.choice([0.05, 0.3, 1.0, 3.0])).astype(int).tolist()
+        same_outcome(ref_max_min_quotas, max_min_quotas, torch.from_numpy(counts), holders, cap)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 1.0])
+def test_max_min_quotas_matches_reference_at_paper_scale(fraction):
+    for seed in range(2):
+        counts_SE, _, placement = paper_scale(seed)
+        cap = [int(fraction * 8192 * 8)] * counts_SE.shape[0]
+        same_outcome(ref_max_min_quotas, max_min_quotas, counts_SE.sum(0), placement.holder_lists, cap)
+
+
+def test_largest_ratio_matches_bisection():
+    rng = np.random.default_rng(2)
+    for case in range(3000):
+        n = int(rng.integers(1, 40))
+        kind = case % 5
+        if kind == 0:
+            c = rng.integers(0, 4, n)
+        elif kind == 1:
+            c = rng.integers(0, 60, n)
+        elif kind == 2:
+            c = rng.integers(0, 10**6, n)
+        elif kind == 3:
+            c = np.full(n, int(rng.integers(1, 1000)))
+        else:
+            c = (rng.zipf(1.3, n) * int(rng.integers(1, 1000))).clip(0, 10**9)
+        c = c.astype(np.int64)
+        room = int(rng.integers(-2, int(c.sum()) + 3))
+        assert largest_ratio(c, room) == ref_largest_ratio(c, room), (c.tolist(), room)

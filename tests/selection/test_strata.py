@@ -1,4 +1,5 @@
-"""Local selections in strata (lrmoe.selection.strata): exact kept counts known from the plan alone, the
+"""Local selections in strata (lrmoe.selection.strata): exact kept counts known from the plan alone
+(the restricted pair assignment split by largest remainder), each stratum's share kept, the
 backward's rows moved with no exchange before them, and no data-dependent host read."""
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.config import SELECTIONS
 from lrmoe.parallel import comm
 from lrmoe.planning.assignment import PairAssignment
-from lrmoe.selection.sampling import sample
-from lrmoe.selection.selections import largest_remainder, scaled_squared_norms, select_in_strata, squared_norms
+from lrmoe.selection.selections import scaled_squared_norms, select_in_strata
 from lrmoe.selection.strata import kept_positions
-from tests.test_lrmoe import QWEN
+from tests.helpers.layer import QWEN
 
 
 def _random_assignment(rng: np.random.Generator) -> PairAssignment:
@@ -65,46 +65,6 @@ def test_restricted_splits_each_source_and_expert_by_largest_remainder():
         a.restricted(a.dense().sum(2).t() + 1)
 
 
-def test_largest_remainder_is_exact():
-    """Floors, then one more for the largest remainders, ties to the lower rank, in exact
-    fractions (float remainders once tied and untied by rounding)."""
-    rng = np.random.default_rng(0)
-    for _ in range(500):
-        W, E = int(rng.integers(1, 7)), int(rng.integers(1, 9))
-        c = rng.integers(0, 9, size=(W, E))
-        t = np.floor(rng.random(E) * (c.sum(0) + 1)).astype(np.int64)
-        want = np.zeros((W, E), np.int64)
-        for e in range(E):
-            total, k = int(c[:, e].sum()), int(t[e])
-            if total == 0:
-                continue
-            exact = [Fraction(k * int(c[s, e]), total) for s in range(W)]
-            floors = [int(x) for x in exact]
-            for s in sorted(range(W), key=lambda s: (floors[s] - exact[s], s))[: k - sum(floors)]:
-                floors[s] += 1
-            want[:, e] = floors
-        assert (largest_remainder(torch.from_numpy(t), torch.from_numpy(c)).numpy() == want).all()
-
-
-def test_sample_keeps_exactly_the_quota_over_any_score_range():
-    """Scores spanning 25 orders of magnitude (a real stratum's): the tail sums of the capped π
-    lose their small terms in rounding; the π are put back to sum to q, so exactly q are kept."""
-    scores = torch.tensor([0.85, 3.8e-05, 1.9e-14, 3.9e-10, 2.8e-3, 1.2e-07, 1.4e-08, 1.8e-19, 2.3e-08,
-                           3.6e-18, 1.2e-08, 1.1e-19, 3.8e-05, 4.3e-25, 1.8e-11, 1.4e-10], dtype=torch.float64)
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(200):
-        big = torch.rand(1000, generator=gen, dtype=torch.float64) * 1e3 if trial % 2 else scores.new_zeros(0)
-        s = torch.cat([big, scores[torch.randperm(16, generator=gen)]])
-        groups = torch.cat([torch.zeros(len(big), dtype=torch.long), torch.ones(16, dtype=torch.long)])
-        q = int(torch.randint(1, 17, (1,), generator=gen))
-        keep, pi = sample(s, groups, torch.tensor([min(5, len(big)), q]), torch.rand(2, generator=gen,
-                                                                                    dtype=torch.float64), 0.01)
-        assert int(keep[groups == 1].sum()) == q, (trial, q)
-        assert abs(float(pi[groups == 1].sum()) - q) < 1e-9 and bool(((pi >= 0) & (pi <= 1)).all())
-    keep, pi = sample(scores, torch.zeros(16, dtype=torch.long), torch.tensor([16]), torch.tensor([0.6]), 0.01)
-    assert bool(keep.all()) and bool((pi == 1).all()), "q = n keeps every pair, π = 1"
-
-
 @pytest.mark.parametrize("selection", ["local-sampled", "local"])
 def test_select_in_strata_keeps_each_share(selection):
     gen = torch.Generator().manual_seed(0)
@@ -134,23 +94,6 @@ def test_kept_positions_is_nonzero_with_a_known_count():
     for n in (0, 1, 7, 100):
         keep = torch.rand(n, generator=gen) < 0.3
         assert torch.equal(kept_positions(keep, int(keep.sum())), keep.nonzero().squeeze(1))
-
-
-def test_scaled_squared_norms_match_and_never_overflow():
-    x = torch.randn(50, 64, dtype=torch.float64)
-    x[3] *= 1e30
-    x[4] *= 1e-30
-    x[5] = 0
-    x[6, 0] = 3e38
-    for dtype in (torch.float32, torch.bfloat16):
-        xd = x.to(dtype)
-        want = xd.double().square().sum(-1)
-        got = scaled_squared_norms(xd)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        if dtype == torch.float32:  # the CPU path (a bf16 pass rounds its result to bf16)
-            torch.testing.assert_close(squared_norms(xd)[:4], want[:4], rtol=1e-6, atol=0)
-    x[7, 1] = float("inf")
-    assert not torch.isfinite(scaled_squared_norms(x.float())[7])
 
 
 # ------------------------------------------------------------------- host reads (CPU proxy)
@@ -205,7 +148,7 @@ def host_reads_case(group, selection: str):
 @pytest.mark.parametrize("world", [1, 2])
 def test_local_selection_backward_reads_nothing_from_the_device(pool, world):
     """The default selection's backward: scores, strata, sample, packing and the row plan stay
-    where the scores are; every split size comes from the plan (issue 16 item 2). A global
+    where the scores are; every split size comes from the plan. A global
     selection's reads are found, so the check can fail."""
     for selection in ("local-sampled", "local"):
         for sites, keep in pool.run(world, host_reads_case, selection):

@@ -27,7 +27,7 @@ from lrmoe.sim.run import Projection, simulate
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import rescale_counts, split_sources, zipf_counts
 from lrmoe.sim.whatif import what_if, what_if_reference
-from tests.pool import RankPool
+from tests.helpers.pool import RankPool
 
 CFG = MoEConfig(dim=32, ffn_dim=48, num_experts=8, top_k=2)
 S = 4  # fp32

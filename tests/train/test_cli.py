@@ -1,12 +1,12 @@
 """The command line as a user meets it: ``--set`` overrides, compare's system names in
 ``train``, a used ``--out`` refused, a failed resume that changes nothing, a resume at another
-``--nproc``, user errors in the launcher and inside ranks as one line with exit 2, help that
-matches the commands.
+``--nproc``, user errors in the launcher and inside ranks as one line with exit 2, flags
+validated, help that matches the commands.
 
-Most commands run through ``lrmoe.cli.main`` in the test process (``_main``: no start-up of a
+Most commands run through ``lrmoe.cli.main`` in the test process (``run_main``: no start-up of a
 Python with torch, seconds each); the first run of the resume test, the first user error of
-tests/test_train.py and compare's unknown system (tests/test_train_reliability.py) run through
-a process of their own (``_cli``), as a user types them."""
+test_cli_user_errors_are_one_line and compare's unknown system run through a process of their
+own (``run_cli``), as a user types them."""
 
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ import numpy as np
 import pytest
 
 from lrmoe.train.config import ConfigError, apply_sets, from_dict, load
-from tests.test_train import TINY, _cli, _config_file, _main, _write_text_folder, losses, records, tiny
-
-
-def one_line_error(r, code: int = 2) -> str:
-    assert r.returncode == code, (r.returncode, r.stderr[-3000:])
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lrmoe: ") and "Traceback" not in r.stderr, r.stderr[-3000:]
-    return lines[0]
+from tests.helpers.train import (
+    TINY,
+    config_file,
+    losses,
+    one_line_error,
+    records,
+    run_cli,
+    run_main,
+    tiny,
+    write_text_folder,
+)
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -62,16 +65,18 @@ def test_set_overrides_parse_as_toml_and_validate():
 
 
 def test_set_applies_to_the_file(tmp_path):
-    cfg = load(_config_file(tmp_path), ["train.steps=3", "train.steps=4"])  # the last one wins
+    cfg = load(config_file(tmp_path), ["train.steps=3", "train.steps=4"])  # the last one wins
     assert cfg.train.steps == 4
 
 
 def test_cli_set_and_system_errors_are_one_line(tmp_path):
-    cfg = str(_config_file(tmp_path))
-    assert "unknown key 'stepz' in [train]" in one_line_error(_main("train", "--config", cfg, "--set", "train.stepz=3"))
-    assert "train.batch=0" in one_line_error(_main("compare", "--config", cfg, "--set", "train.batch=0"))
-    assert "--system 'lrmoe-best@0.5'" in one_line_error(_main("train", "--config", cfg, "--system", "lrmoe-best@0.5"))
-    assert "ratio" in one_line_error(_main("train", "--config", cfg, "--system", "lrmoe@1.5"))
+    cfg = str(config_file(tmp_path))
+    assert "unknown key 'stepz' in [train]" in one_line_error(run_main("train", "--config", cfg, "--set",
+                                                                       "train.stepz=3"))
+    assert "train.batch=0" in one_line_error(run_main("compare", "--config", cfg, "--set", "train.batch=0"))
+    assert "--system 'lrmoe-best@0.5'" in one_line_error(run_main("train", "--config", cfg, "--system",
+                                                                  "lrmoe-best@0.5"))
+    assert "ratio" in one_line_error(run_main("train", "--config", cfg, "--system", "lrmoe@1.5"))
 
 
 # ------------------------------------------------------------------- --system takes compare's names
@@ -80,7 +85,7 @@ def test_cli_set_and_system_errors_are_one_line(tmp_path):
 def _resolve(tmp_path: Path, **flags):
     from lrmoe.cli import _resolve
 
-    args = dict(config=str(_config_file(tmp_path)), set=[], nproc=None, ep_size=None, steps=None, data=None,
+    args = dict(config=str(config_file(tmp_path)), set=[], nproc=None, ep_size=None, steps=None, data=None,
                 system=None)
     return _resolve(argparse.Namespace(**{**args, **flags}))
 
@@ -127,10 +132,10 @@ def test_too_small_corpus_is_one_line_before_launch_and_inside_ranks(tmp_path, m
 
     monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "texts"
-    _write_text_folder(data)
-    cfg = _config_file(tmp_path, data=str(data), vocab_size=300, batch=100_000)
+    write_text_folder(data)
+    cfg = config_file(tmp_path, data=str(data), vocab_size=300, batch=100_000)
     out = tmp_path / "run"
-    line = one_line_error(_main("train", "--config", str(cfg), "--out", str(out)))
+    line = one_line_error(run_main("train", "--config", str(cfg), "--out", str(out)))
     assert "the corpus is too small" in line and "train.batch=100000" in line
     assert not out.exists(), "refused before anything was written"
     # the same error raised inside the ranks (a launch without the launcher's checks)
@@ -144,10 +149,10 @@ def test_used_out_failed_resume_resume_and_overwrite(tmp_path):
     """One run through its steps: trained at --nproc 2 (through a process of its own, as a user
     runs it), a used --out refused, resumes that fail (another model; a checkpoint of an earlier
     lrmoe) changing nothing, a resume at --nproc 1 that continues the step count, --overwrite."""
-    cfg = str(_config_file(tmp_path, checkpoint_every=1, eval_every=2))
+    cfg = str(config_file(tmp_path, checkpoint_every=1, eval_every=2))
     out = tmp_path / "run"
     # checkpoint_every=0 in this first run: the checkpoint at the end is the one a resume reads
-    r = _cli("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--set", "train.steps=3",
+    r = run_cli("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--set", "train.steps=3",
              "--set", "train.checkpoint_every=0", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trained 3 steps of lrmoe-random@0.5" in r.stdout
@@ -162,16 +167,16 @@ def test_used_out_failed_resume_resume_and_overwrite(tmp_path):
     before = snapshot(out)
 
     # a used --out without --resume: refused, nothing touched
-    line = one_line_error(_main("train", "--config", cfg, "--out", str(out)))
+    line = one_line_error(run_main("train", "--config", cfg, "--out", str(out)))
     assert "is not empty" in line and "--overwrite" in line
     # a resume that cannot work (another model): one line from inside both ranks, nothing touched
-    line = one_line_error(_main("train", "--config", cfg, "--system", "lrmoe-random@0.5",
+    line = one_line_error(run_main("train", "--config", cfg, "--system", "lrmoe-random@0.5",
                                 "--set", "model.moe.ffn_dim=48", "--out", str(out), "--resume"))
     assert "does not fit this run" in line
     assert snapshot(out) == before, "a failed resume changes nothing on disk"
 
     # a good resume, at another --nproc, continues the step count
-    r = _main("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--nproc", "1", "--steps", "5",
+    r = run_main("train", "--config", cfg, "--system", "lrmoe-random@0.5", "--nproc", "1", "--steps", "5",
               "--out", str(out), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trained 5 steps of lrmoe-random@0.5" in r.stdout
@@ -188,12 +193,12 @@ def test_used_out_failed_resume_resume_and_overwrite(tmp_path):
     (out / "ckpt" / "step_0000005" / "rank_0.pt").write_bytes(b"old")
     (out / "ckpt" / "latest").write_text("5")
     before = snapshot(out)
-    assert "earlier lrmoe" in one_line_error(_main("train", "--config", cfg, "--nproc", "1", "--steps", "6",
+    assert "earlier lrmoe" in one_line_error(run_main("train", "--config", cfg, "--nproc", "1", "--steps", "6",
                                                    "--out", str(out), "--resume"))
     assert snapshot(out) == before
 
     # --overwrite replaces the run: no old metrics lines or checkpoints beside the new ones
-    r = _main("train", "--config", cfg, "--system", "static", "--steps", "2", "--out", str(out), "--overwrite")
+    r = run_main("train", "--config", cfg, "--system", "static", "--steps", "2", "--out", str(out), "--overwrite")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["step"] for x in records(out)] == [1, 2]
     assert sorted(p.name for p in (out / "ckpt").glob("step_*")) == ["step_0000001", "step_0000002"]
@@ -203,7 +208,7 @@ def test_compare_refuses_a_used_out(tmp_path):
     out = tmp_path / "cmp"
     (out / "static").mkdir(parents=True)
     (out / "static" / "metrics.jsonl").write_text("")
-    line = one_line_error(_main("compare", "--config", str(_config_file(tmp_path)), "--out", str(out)))
+    line = one_line_error(run_main("compare", "--config", str(config_file(tmp_path)), "--out", str(out)))
     assert "is not empty" in line
 
 
@@ -214,7 +219,47 @@ def test_help_matches_the_commands():
     for argv, needles in [([], ["simulate", "compare", "--resume | --overwrite", "--set SECTION.KEY=VALUE"]),
                           (["compare"], ["--resume", "--overwrite", "--set", "--systems"]),
                           (["train"], ["--system", "lrmoe-random@0.5", "--set", "--overwrite", "--max-restarts"])]:
-        r = _main(*argv, "--help")
+        r = run_main(*argv, "--help")
         assert r.returncode == 0
         for needle in needles:
             assert needle in r.stdout, (argv, needle)
+
+
+# ------------------------------------------------------------------- user errors and flags
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    cfg = config_file(tmp_path)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = -3\n")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    for args, needle in [
+        (["train", "--config", str(cfg), "--data", str(tmp_path / "missing")], "no such file or folder"),
+        (["train", "--config", str(cfg), "--data", str(empty)], "empty"),
+        (["train", "--config", str(tmp_path / "nope.toml")], "no such file"),
+        (["train", "--config", str(bad)], "train.steps=-3"),
+        (["train", "--config", str(cfg), "--system", "fast"], "--system 'fast' is invalid"),
+        (["train", "--config", str(config_file(sub, system="smartmoe", routing_trace=str(empty)))], "routing_trace"),
+    ]:
+        # the first through a process of its own (the entry point a user meets), the rest in this one
+        r = run_cli(*args) if args[-1].endswith("missing") else run_main(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("--nproc", "0"), ("--steps", "-1"), ("--ep-size", "-2"),
+                                        ("--max-restarts", "-1")])
+def test_cli_flags_validated(tmp_path, flag, value):
+    r = run_main("train", "--config", str(config_file(tmp_path)), flag, value)
+    assert r.returncode == 2 and flag in r.stderr and value in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_compare_rejects_unknown_system(tmp_path):
+    # through a process of its own, as a user runs it (most commands here run in-process)
+    r = run_cli("compare", "--config", str(config_file(tmp_path)), "--systems", "static,warp")
+    assert r.returncode == 2 and "warp" in r.stderr and len(r.stderr.strip().splitlines()) == 1

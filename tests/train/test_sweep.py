@@ -1,6 +1,6 @@
 """``lrmoe compare --memory-caps``: cap parsing, one shared reference, every system run under
 each cap, and the sweep's results (training replaced by a fake launcher: the plumbing is
-under test here; tests/test_memory_cap.py and tests/test_train.py cover capped runs)."""
+under test here; tests/layer/test_memory_cap.py and tests/train/test_train.py cover capped runs)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 
 from lrmoe.train.config import ConfigError, from_dict
 from lrmoe.train.metrics import TensorBoardLog, scalars
-from tests.test_train import _cli, _config_file
+from tests.helpers.train import config_file, run_cli
 
 RECORD = {"step": 3, "loss": 4.5, "kept_ratio": 0.75, "load_cv": [0.5, 1.25], "skipped": False,
           "val_loss": 4.25, "a2a_bytes": 1024}
@@ -54,7 +54,7 @@ def test_config_takes_only_a_bool():
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
 def test_without_the_package_one_line_before_launch(tmp_path):
-    r = _cli("train", "--config", str(_config_file(tmp_path, tensorboard=True)), "--out", str(tmp_path / "run"))
+    r = run_cli("train", "--config", str(config_file(tmp_path, tensorboard=True)), "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and "lrmoe[tensorboard]" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists(), "nothing launched"
@@ -62,6 +62,6 @@ def test_without_the_package_one_line_before_launch(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
 def test_with_the_package_event_files_are_written(tmp_path):
-    r = _cli("train", "--config", str(_config_file(tmp_path, tensorboard=True)), "--out", str(tmp_path / "run"))
+    r = run_cli("train", "--config", str(config_file(tmp_path, tensorboard=True)), "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,15 +1,10 @@
 """Training on the real corpus: every system learns, resume is exact, runs are deterministic,
-pure data parallelism equals one rank with the doubled batch, user data and user errors."""
+pure data parallelism equals one rank with the doubled batch, user data, the GLM preset's bias
+updates, and a memory cap that static cannot fit recorded as out of memory."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,33 +13,7 @@ import pytest
 from lrmoe.systems import SYSTEMS
 from lrmoe.train.config import from_dict
 from lrmoe.train.loop import train
-
-TINY = {
-    "model": {"preset": "qwen3-moe-tiny", "dim": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32,
-              "moe": {"ffn_dim": 32, "num_experts": 4, "top_k": 2}},
-    "train": {"steps": 8, "batch": 4, "lr": 1e-2, "warmup": 2, "eval_every": 4, "eval_batches": 1,
-              "nproc": 2},
-}
-
-
-def tiny(**train_overrides):
-    raw = json.loads(json.dumps(TINY))
-    raw["model"]["moe"].update(train_overrides.pop("moe", {}))
-    raw["train"].update({k: v for k, v in train_overrides.items() if k not in ("budget", "backward")})
-    if "budget" in train_overrides:
-        raw["budget"] = train_overrides["budget"]
-    if "backward" in train_overrides:
-        raw["backward"] = train_overrides["backward"]
-    return from_dict(raw)
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_case(group, cfg_kwargs: dict, out: str, resume=False, max_steps=None):
-    cfg = tiny(**cfg_kwargs)
-    return train(cfg, Path(out), group, resume=resume, max_steps=max_steps)
+from tests.helpers.train import TINY, losses, records, train_case, write_text_folder
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
@@ -97,10 +66,6 @@ def test_deterministic(pool2, tmp_path):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_pure_data_parallel_equals_one_rank_doubled_batch(pool2, tmp_path):
     # no Switch aux loss: it is computed on each rank's tokens, so it is not the doubled batch's
     common = {"system": "static", "steps": 5, "moe": {"aux_loss_coef": 0.0}}
@@ -122,22 +87,10 @@ def test_grad_norm_counts_every_expert_once(pool2, tmp_path):
     np.testing.assert_allclose([r["grad_norm"] for r in ep], [r["grad_norm"] for r in one], rtol=1e-4)
 
 
-def _write_text_folder(folder: Path) -> None:
-    """A made-up corpus (generated here, nothing third-party)."""
-    rng = np.random.default_rng(0)
-    nouns = ["expert", "router", "token", "gradient", "budget", "replica", "rank", "layer", "quota", "batch"]
-    verbs = ["routes", "keeps", "drops", "scores", "sends", "reduces", "plans", "computes"]
-    folder.mkdir()
-    for i in range(3):
-        lines = [f"The {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} of every "
-                 f"{rng.choice(nouns)}." for _ in range(800)]
-        (folder / f"part{i}.txt").write_text("\n".join(lines))
-
-
 def test_user_text_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "texts"
-    _write_text_folder(data)
+    write_text_folder(data)
     summary = train_case(None, {"system": "lrmoe", "steps": 3, "nproc": 1, "data": str(data), "vocab_size": 300,
                                 "eval_every": 2, "backward": {"ratio": 0.5}}, str(tmp_path / "run"))
     assert summary["steps"] == 3 and [v["step"] for v in summary["val"]] == [2, 3]
@@ -151,77 +104,8 @@ def test_user_text_folder(tmp_path, monkeypatch, capsys):
     assert "3/3" in err and "loss=" in err and "val=" in err and "lr=" in err and "step/s" in err, err
 
 
-def _cli(*args, cwd=None):
-    """``lrmoe ARGS`` in a process of its own, as a user runs it (seconds of imports each)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lrmoe.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=300)
-
-
-def _main(*args) -> subprocess.CompletedProcess:
-    """``lrmoe ARGS`` through ``lrmoe.cli.main`` in this process, with what :func:`_cli` returns:
-    the exit status, stdout and stderr (ranks still start through torchrun, their stderr passed
-    through the launcher's). Without the start-up of a Python process with torch (seconds), for
-    the many checks of what the launcher says; ``_cli`` keeps the real entry point covered.
-    Warnings a process would print (Python's default filters) count as stderr lines."""
-    from lrmoe.cli import main
-    from lrmoe.train.rendezvous import current_rendezvous, use_rendezvous
-
-    out, err, before = io.StringIO(), io.StringIO(), current_rendezvous()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-            warnings.simplefilter("ignore", category)
-        try:
-            main([str(a) for a in args])
-        except SystemExit as e:  # as the interpreter turns it into an exit status
-            if isinstance(e.code, str):
-                print(e.code, file=sys.stderr)
-                code = 1
-            else:
-                code = e.code or 0
-        finally:
-            use_rendezvous(before)  # main() sets the command's rendezvous for the process
-    stderr = err.getvalue() + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
-                                      for w in caught)
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), stderr)
-
-
-def _config_file(tmp_path: Path, **train_overrides) -> Path:
-    from lrmoe.train.config import dump_toml
-
-    path = tmp_path / "cfg.toml"
-    path.write_text(dump_toml(tiny(**train_overrides).to_dict()))
-    return path
-
-
-def test_cli_user_errors_are_one_line(tmp_path):
-    cfg = _config_file(tmp_path)
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n")
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[train]\nsteps = -3\n")
-    sub = tmp_path / "sub"
-    sub.mkdir()
-    for args, needle in [
-        (["train", "--config", str(cfg), "--data", str(tmp_path / "missing")], "no such file or folder"),
-        (["train", "--config", str(cfg), "--data", str(empty)], "empty"),
-        (["train", "--config", str(tmp_path / "nope.toml")], "no such file"),
-        (["train", "--config", str(bad)], "train.steps=-3"),
-        (["train", "--config", str(cfg), "--system", "fast"], "--system 'fast' is invalid"),
-        (["train", "--config", str(_config_file(sub, system="smartmoe", routing_trace=str(empty)))], "routing_trace"),
-    ]:
-        # the first through a process of its own (the entry point a user meets), the rest in this one
-        r = _cli(*args) if args[-1].endswith("missing") else _main(*args)
-        assert r.returncode == 2, (args, r.stderr)
-        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
 # ``lrmoe train`` launching its ranks through a process of its own (the summary line, losses,
-# config.toml, routing.npz, the checkpoint at the end): the first run of tests/test_cli.py,
+# config.toml, routing.npz, the checkpoint at the end): the first run of tests/train/test_cli.py,
 # test_used_out_failed_resume_resume_and_overwrite.
 
 
