@@ -3,7 +3,7 @@
 Random small configurations (world size 1–4, experts, top-k, width, routing skew, system,
 (T, D) or (B, S, D) input) through the layer against the dense reference, on one pool of
 gloo ranks; prints a line per 50 configurations and the total. The suite runs 40 of them
-(tests/test_reliability.py); this script is for long runs.
+(tests/layer/test_reliability.py); this script is for long runs.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from tests.pool import RankPool
-from tests.test_reliability import ALL_SYSTEMS, fuzz_case
+from tests.helpers.fuzz import ALL_SYSTEMS, fuzz_case
+from tests.helpers.pool import RankPool
 
 
 def main() -> None:

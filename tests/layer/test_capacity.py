@@ -1,0 +1,66 @@
+"""The capacity system (a capacity factor): every expert keeps its ceil(C·P/E) most probable
+pairs, and a dropped pair vanishes from both passes, router weight included, against the dense
+reference with the same drops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe import MoEConfig, MoELayer
+from lrmoe.parallel import comm
+from tests.helpers.layer import close, skewed_tokens
+
+CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
+
+
+def capacity_case(group, factor):
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 48, 7, "hot")
+    lo, hi = rank * 48 // world, (rank + 1) * 48 // world
+    layer = MoELayer(cfg, system="capacity", group=group, capacity_factor=factor)
+    layer.load_full_state_dict(sd)
+    xs = x[lo:hi].clone().requires_grad_(True)
+    out = layer(xs)
+    out.backward(g[lo:hi])
+    # reference: every expert keeps its ceil(C·P/E) most probable pairs, dropped pairs vanish
+    # from both passes (router weight included)
+    with torch.no_grad():
+        from tests.oracles.dense_moe import route
+
+        w, ids = route(x, {k: v for k, v in sd.items()}, cfg)
+    cap = int(torch.tensor(factor * ids.numel() / cfg.num_experts).ceil())
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    for e in range(cfg.num_experts):
+        where = (ids == e).nonzero()
+        order = torch.argsort(w[where[:, 0], where[:, 1]].double(), descending=True, stable=True)
+        top = where[order[:cap]]
+        keep[top[:, 0], top[:, 1]] = True
+    assert torch.equal(layer.last_kept, keep[lo:hi])
+    params = {k: v.detach().clone().requires_grad_("bias" not in k) for k, v in sd.items()}
+    xr = x.clone().requires_grad_(True)
+    ref = _dropped_reference(xr, params, cfg, keep)
+    ref.backward(g)
+    close("out", out.detach(), ref.detach()[lo:hi])
+    close("dx", xs.grad, xr.grad[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, p in params.items():
+        if p.requires_grad:
+            close(f"grad {name}", grads[name], p.grad)
+    return int(keep[lo:hi].sum())
+
+
+def _dropped_reference(x, params, cfg, keep):
+    from tests.oracles.dense_moe import expert_outputs, route
+
+    w, ids = route(x, params, cfg)
+    y, _ = expert_outputs(x, params)
+    t = torch.arange(x.shape[0]).unsqueeze(1).expand_as(ids)
+    return (w.unsqueeze(-1) * y[ids, t] * keep.unsqueeze(-1)).sum(1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_capacity_factor_drops_in_both_passes(pool, world):
+    kept = sum(pool.run(world, capacity_case, 1.0))
+    assert kept < 48 * 2

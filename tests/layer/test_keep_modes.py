@@ -1,0 +1,127 @@
+"""What lrmoe's expert side keeps from forward to backward: nothing (x re-sent, recompute), x
+(only dy travels, to where the forward computed the pair; recompute) or x and the activations
+(static's backward on the kept rows). Every mode gives the same gradients as the reference with
+the same kept set and weights; the meter's peak equals the replay's; at ρ = 0.9 keep-x sends
+fewer backward bytes than static. (The choice following the cap:
+tests/planning/test_memory_cap.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe import BackwardConfig, MoEConfig, MoELayer
+from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.parallel import comm
+from lrmoe.planning import cap_fit as fit
+from tests.helpers.layer import QWEN, Recorder, close, make_problem, split_tokens
+from tests.helpers.pool import RankPool
+from tests.oracles.dense_moe import reference_grads
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(world=4)
+    yield p
+    p.close()
+
+
+def _force(mp: pytest.MonkeyPatch, mode: str) -> None:
+    mp.setattr(fit.CapFitting, "keep_mode", lambda self, *args: mode)
+
+
+def modes_case(group, selection: str):
+    """Each mode against the reference with the layer's kept set and weights; the meter's peak
+    against the replay. Returns the per-mode (kept set, bwd bytes, bwd GEMM rows)."""
+    cfg = MoEConfig(**QWEN)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = make_problem(cfg, 48, 5, "none")
+    sizes = split_tokens(48, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    out = {}
+    for mode in KEEP_MODES:
+        mp = pytest.MonkeyPatch()
+        try:
+            _force(mp, mode)
+            layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(selection, ratio=0.5, seed=3))
+            layer.load_full_state_dict(sd)
+            x_local = x[lo:hi].clone().requires_grad_(True)
+            layer(x_local).backward(g[lo:hi])
+        finally:
+            mp.undo()
+        s = layer.last_stats
+        assert s["keep_mode"] == mode
+        keep = comm.all_gather(layer.last_kept, sizes, group) if world > 1 else layer.last_kept
+        scale = None
+        if layer.last_scale is not None:
+            scale = comm.all_gather(layer.last_scale, sizes, group) if world > 1 else layer.last_scale
+        _, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
+        close(f"{mode} dx", x_local.grad, ref_dx[lo:hi])
+        grads = layer.gather_full_grads()
+        for name, want in ref_grads.items():
+            close(f"{mode} grad {name}", grads[name], want)
+        pl = layer.placement
+        work = RankWork(s["recv_rows"], s["bwd_gemm_rows"], len(pl.slots[rank]), len(pl.owned(rank)), None,
+                        world, pl.num_copies > cfg.num_experts, keep=mode)
+        assert expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, work) == s["peak_expert_side_bytes"], mode
+        out[mode] = (layer.last_kept.clone(), s["bwd_a2a_bytes"], s["bwd_gemm_rows"])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("selection", ["lrm", "local-sampled"])
+def test_every_mode_equals_the_reference(pool, world, selection):
+    res = pool.run(world, modes_case, selection)
+    for r in res:
+        kept = r[KEEP_NOTHING][0]
+        assert all(torch.equal(r[m][0], kept) for m in KEEP_MODES), "the same kept set in every mode"
+        assert r[KEEP_X][1] == r[KEEP_X_ACTS][1], "x and x+acts move the same bytes"
+    if world > 1:
+        assert sum(r[KEEP_X][1] for r in res) < sum(r[KEEP_NOTHING][1] for r in res), "no x re-sent"
+
+
+def bytes_case(group, system: str, ratio: float):
+    """Backward bytes of one call at the bench shape's ratio, with its exchanges recorded."""
+    mp = pytest.MonkeyPatch()
+    try:
+        cfg = MoEConfig(**QWEN)
+        world, rank = comm.world_size(group), comm.rank_of(group)
+        if system == "lrmoe":
+            _force(mp, KEEP_X)
+        rec = Recorder(mp, rank)
+        sd, x, g = make_problem(cfg, 256, 7, "none")
+        lo, hi = rank * 256 // world, (rank + 1) * 256 // world
+        kw = {"backward": BackwardConfig("local-sampled", ratio=ratio, seed=1)} if system == "lrmoe" else {}
+        layer = MoELayer(cfg, system=system, group=group, **kw)
+        layer.load_full_state_dict(sd)
+        out = layer(x[lo:hi])
+        rec.take()
+        out.backward(g[lo:hi])
+        a2a, rows = rec.take()
+        s = layer.last_stats
+        assert s["bwd_a2a_bytes"] == sum(a for a, _ in a2a)
+        assert all(r == s["bwd_gemm_rows"] for _, r in rows)
+        if system == "static":
+            return s["bwd_a2a_bytes"], None
+        # independent count: no exchange before the rows; kept dy rows to remote experts, each
+        # with its 4-byte position among the forward's rows, dx rows back
+        ids = layer.router(x[lo:hi]).ids_TK.flatten()
+        keep = layer.last_kept.flatten()
+        owned = set(layer.placement.owned(rank))
+        remote = [e not in owned for e in ids.tolist()]
+        kept_remote = sum(1 for k, r in zip(keep.tolist(), remote) if k and r)
+        kept_local = int(keep.sum()) - kept_remote
+        row = cfg.dim * 4
+        assert len(a2a) == 2, "dy (with positions), dx"
+        expected = kept_remote * (row + 4) + (s["bwd_gemm_rows"] - kept_local) * row
+        assert s["bwd_a2a_bytes"] == expected, (s["bwd_a2a_bytes"], expected)
+        assert len(rows) == 5 + 3 and s["keep_mode"] == KEEP_X
+        return s["bwd_a2a_bytes"], s["bwd_gemm_rows"]
+    finally:
+        mp.undo()
+
+
+def test_local_sampled_keep_x_sends_less_than_static(pool):
+    static = sum(r[0] for r in pool.run(4, bytes_case, "static", 1.0))
+    lrmoe = sum(r[0] for r in pool.run(4, bytes_case, "lrmoe", 0.9))
+    assert lrmoe < static, (lrmoe, static)

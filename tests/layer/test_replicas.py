@@ -1,0 +1,217 @@
+"""Replicated expert parallelism on the real layer (symi, budgeted lrmoe): exact against the dense
+reference and static, a memory budget respected with quotas monotone in it, a network budget
+bounding the kept rows, skewed workloads (lrmoe, symi, capacity), and the bytes of a replica
+refresh counted. (The planners alone: tests/planning/.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe import ClusterBudget, MoEConfig, MoELayer
+from lrmoe.parallel import comm
+from tests.helpers.layer import close, skewed_tokens, split_tokens
+from tests.oracles.dense_moe import reference_grads
+
+CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
+
+
+def replicated_case(group, system, steps, skew, budget_bytes=None, link_gbps=None):
+    """Run ``steps`` optimizer-free iterations (step_end between them, placement re-planned)
+    and compare every call with the dense reference and the static system."""
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 40, 3, skew)
+    sizes = split_tokens(40, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    kwargs = {}
+    if budget_bytes is not None:
+        kwargs = dict(budget=ClusterBudget(budget_bytes, inter_node_gbps=link_gbps), replan_interval=1)
+    layer = MoELayer(cfg, system=system, group=group, **kwargs)
+    layer.load_full_state_dict(sd)
+    static = MoELayer(cfg, group=group)
+    static.load_full_state_dict(sd)
+    holders_seen = []
+    for _ in range(steps):
+        for lay in (layer, static):
+            lay.zero_grad()
+        xs = x[lo:hi].clone().requires_grad_(True)
+        out = layer(xs)
+        out.backward(g[lo:hi])
+        xr = x[lo:hi].clone().requires_grad_(True)
+        static(xr).backward(g[lo:hi])
+        ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg)
+        close("out", out.detach(), ref_out[lo:hi])
+        close("dx", xs.grad, ref_dx[lo:hi])
+        grads = layer.gather_full_grads()
+        sgrads = static.gather_full_grads()
+        for name, want in ref_grads.items():
+            close(f"grad {name}", grads[name], want)
+            close(f"vs static {name}", grads[name], sgrads[name], atol=1e-5)
+        if budget_bytes is not None:
+            assert layer.last_stats["peak_expert_side_bytes"] <= budget_bytes
+            assert torch.equal(layer.last_stats["kept_E"], layer.last_stats["counts_E"])
+        holders_seen.append([list(h) for h in layer.placement.holder_lists])
+        layer.step_end()
+        static.step_end()
+    return holders_seen, layer.last_stats.get("placement_bytes", 0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("skew", ["none", "hot"])
+def test_symi_equals_static_and_reference(pool, world, skew):
+    res = pool.run(world, replicated_case, "symi", 3, skew)
+    holders = res[0][0]
+    assert any(len(h) > 1 for h in holders[-1]), "symi holds replicas"
+    if skew == "hot":
+        assert len(holders[-1][0]) > 1, "the hot expert gets replicated"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_budgeted_lrmoe_with_ample_budget_is_exact(pool, world):
+    """Exact with and without replicas: a link fast enough that replicating the hot expert pays
+    (the cost search takes replicas), and the default link, at which at these tiny shapes a
+    replica's refresh costs more than the rows it moves (owned experts only)."""
+    fast = pool.run(world, replicated_case, "lrmoe", 3, "hot", 50_000_000, 1e6)
+    assert [len(h) for h in fast[0][0][0]] == [1] * 8, "no replicas before the first call's counts"
+    assert len(fast[0][0][-1][0]) > 1, "the hot expert replicated"
+    slow = pool.run(world, replicated_case, "lrmoe", 2, "hot", 50_000_000)
+    assert all(len(h) == 1 for h in slow[0][0][-1])
+
+
+def budget_case(group, fraction):
+    """lrmoe with a budget of ``fraction`` x static's peak: quotas, memory, gradients."""
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    n = 512  # enough rows that token buffers, not parameters, dominate the static peak
+    sd, x, g = skewed_tokens(cfg, n, 5, "hot")
+    lo, hi = rank * n // world, (rank + 1) * n // world
+    static = MoELayer(cfg, group=group)
+    static.load_full_state_dict(sd)
+    static(x[lo:hi].clone().requires_grad_(True)).backward(g[lo:hi])
+    peak = comm.all_reduce_sum(torch.tensor(static.last_stats["peak_expert_side_bytes"]), group)
+    budget = int(fraction * int(peak) / world)  # a fraction of the mean static peak, every rank
+    layer = MoELayer(cfg, system="lrmoe", group=group, budget=ClusterBudget(budget))
+    layer.load_full_state_dict(sd)
+    xs = x[lo:hi].clone().requires_grad_(True)
+    layer(xs).backward(g[lo:hi])
+    s = layer.last_stats
+    assert s["peak_expert_side_bytes"] <= budget, (s["peak_expert_side_bytes"], budget)
+    assert (s["quota_E"] <= s["counts_E"]).all()
+    assert torch.equal(s["kept_E"], s["quota_E"])
+    # the gradients are those of the dense reference with exactly the kept pairs and weights
+    keep = torch.cat(comm_gather_bool(layer.last_kept, group))
+    scale = comm.all_gather(layer.last_scale, [int(n) for n in comm.all_gather(
+        torch.tensor([[hi - lo]]), [1] * world, group).flatten()], group)  # the default samples: 1/π
+    ref_out, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
+    close("dx", xs.grad, ref_dx[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, want in ref_grads.items():
+        close(f"grad {name}", grads[name], want)
+    return int(s["kept_E"].sum()), int(s["counts_E"].sum()), s["forward_pairs_computed"]
+
+
+def comm_gather_bool(mask: torch.Tensor, group) -> list[torch.Tensor]:
+    world = comm.world_size(group)
+    sizes = comm.all_gather(torch.tensor([[mask.shape[0]]]), [1] * world, group).flatten().tolist()
+    full = comm.all_gather(mask.to(torch.uint8), sizes, group).bool()
+    return list(full.split(sizes))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_budget_respected_and_quotas_monotone(pool, world):
+    kept = [sum(r[0] for r in pool.run(world, budget_case, f)) / world for f in (0.55, 0.75, 2.0)]
+    total = pool.run(world, budget_case, 2.0)[0][1]
+    assert kept[0] <= kept[1] <= kept[2], kept
+    assert kept[2] == total, "ample budget keeps every pair"
+    assert kept[0] < total, "a tight budget trims the backward"
+
+
+# ------------------------------------------------------------------- skewed workloads
+
+
+def skew_case(group, system, pattern):
+    cfg = MoEConfig(**CFG)
+    rank = comm.rank_of(group)
+    torch.manual_seed(0)
+    sd = MoELayer(cfg).state_dict()
+    budget = 400_000
+    kw = dict(budget=ClusterBudget(budget), replan_interval=1) if system == "lrmoe" else {}
+    layer = MoELayer(cfg, system=system, group=group, **kw)
+    layer.load_full_state_dict(sd)
+    peaks, rows = [], []
+    for step in range(3):
+        n = 16
+        if pattern == "empty-rank" and rank == 1:
+            n = 0
+        elif pattern == "hot-rank" and rank == 0:
+            n = 48
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(n, cfg.dim, generator=gen)
+        if pattern in ("hot-expert", "moving", "one-expert"):
+            hot = step % cfg.num_experts if pattern == "moving" else 0
+            with torch.no_grad():
+                layer.router.weight[hot] = 6.0 * torch.ones(cfg.dim) / cfg.dim**0.5
+                if pattern == "one-expert":
+                    layer.router.weight[[e for e in range(8) if e != hot]] = -6.0 / cfg.dim**0.5
+            x = x + 2.0 / cfg.dim**0.5
+        x.requires_grad_(True)
+        out = layer(x)
+        out.backward(torch.randn_like(out))
+        assert torch.isfinite(x.grad).all()
+        if system == "lrmoe":
+            assert layer.last_stats["peak_expert_side_bytes"] <= budget
+        peaks.append(layer.last_stats["peak_expert_side_bytes"])
+        rows.append(layer.last_stats["recv_rows"])
+        layer.step_end()
+    return max(peaks), max(rows)
+
+
+@pytest.mark.parametrize("system", ["lrmoe", "symi", "capacity"])
+@pytest.mark.parametrize("pattern", ["hot-expert", "hot-rank", "empty-rank", "moving", "one-expert"])
+def test_skewed_workloads(pool, system, pattern):
+    res = pool.run(4, skew_case, system, pattern)
+    assert all(peak > 0 for peak, _ in res)
+
+
+# ------------------------------------------------------------------- refresh bytes, network budget
+
+
+def placement_bytes_case(group):
+    """A refresh sends each replica's parameters once from its owner: count them independently."""
+    cfg = MoEConfig(**CFG)
+    rank = comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 32, 2, "hot")
+    layer = MoELayer(cfg, system="symi", group=group)
+    layer.load_full_state_dict(sd)
+    layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+    layer.step_end()  # symi re-plans and refreshes every step
+    p = layer.placement
+    mine = sum(1 for r in range(p.world) for e in p.replicas(r) if int(p.owner_E[e]) == rank)
+    layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+    assert layer.last_stats["placement_bytes"] == mine * 3 * cfg.dim * cfg.ffn_dim * 4
+    return mine
+
+
+def test_placement_bytes_counted(pool):
+    assert sum(pool.run(4, placement_bytes_case)) > 0
+
+
+def network_case(group, network_bytes):
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 256, 4, "none")
+    lo, hi = rank * 256 // world, (rank + 1) * 256 // world
+    layer = MoELayer(cfg, system="lrmoe", group=group,
+                     budget=ClusterBudget(50_000_000, network_bytes=network_bytes))
+    layer.load_full_state_dict(sd)
+    layer(x[lo:hi]).backward(g[lo:hi])
+    per_row = 3 * cfg.dim * 4  # dy and x in, dx out
+    assert layer.last_stats["bwd_gemm_rows"] * per_row <= network_bytes
+    return int(layer.last_stats["kept_E"].sum())
+
+
+def test_network_budget_bounds_kept_rows(pool):
+    tight = pool.run(2, network_case, 40 * 3 * 16 * 4)[0]
+    loose = pool.run(2, network_case, 10**9)[0]
+    assert tight < loose == 512

@@ -1,0 +1,152 @@
+"""What the planner does under one memory cap for every system (docs/design.md "The paper's
+regime"): symi takes fewer replicas only where its default slots do not fit; static that cannot
+fit raises naming the rank, its need and the cap; LAER with too few fixed slots is a slot error;
+the controller's and the budget's own errors; and lrmoe's keep mode (what the expert side keeps
+from forward to backward) is the richest that fits the cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
+from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
+from lrmoe.planning.controller import Controller
+from lrmoe.planning.placement import Placement
+from lrmoe.planning.planner import LayerPlanner
+from lrmoe.systems import spec_of
+from tests.helpers.layer import QWEN, make_problem, skewed_tokens
+from tests.oracles.dense_moe import route
+
+CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
+N = 96  # tokens over all ranks: the hot expert's rows weigh as much as a rank's parameters
+SEED = 5
+
+
+def _counts_SE(world: int) -> torch.Tensor:
+    cfg = MoEConfig(**CFG)
+    sd, x, _ = skewed_tokens(cfg, N, SEED, "hot")
+    _, ids = route(x, sd, cfg)
+    return torch.stack([torch.bincount(ids[r * N // world:(r + 1) * N // world].reshape(-1), minlength=8)
+                        for r in range(world)])
+
+
+def _static_peak(world: int, counts_SE: torch.Tensor) -> int:
+    cfg = MoEConfig(**CFG)
+    rows = LayerPlanner(spec_of("static"), cfg, world).plan_call(counts_SE).assignment.rows_R()
+    owned = cfg.num_experts // world
+    return max(expert_side_peak("static", cfg.dim, cfg.ffn_dim, 4, RankWork(int(n), int(n), owned, owned, None, world))
+               for n in rows)
+
+
+def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
+    cfg, world = MoEConfig(**CFG), 4
+    counts_SE = _counts_SE(world)
+    cap = int(0.7 * _static_peak(world, counts_SE))
+    default = LayerPlanner(spec_of("symi"), cfg, world).default_slots_R
+    # the default slots, fixed, cannot hold the call within the cap: every rank is told so
+    fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=default))
+    with pytest.raises(MemoryBudgetExceeded, match="memory budget too small: rank") as err:
+        fixed.plan_call(counts_SE)
+    assert err.value.cap == cap and err.value.needed > cap
+    # derived from the cap: fewer copies, re-planned inside the call and then at every step
+    planner = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap))
+    for _ in range(3):
+        plan = planner.plan_call(counts_SE)
+        copies = [len(s) for s in plan.placement.slots]
+        assert max(plan.peak_R) <= cap
+        assert copies != default and all(2 <= c <= d for c, d in zip(copies, default)), copies
+        assert plan.placement.num_copies > cfg.num_experts, "still replicates the hot expert"
+        planner.step_end()
+    # an ample cap keeps the unconstrained default
+    ample = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=10**9))
+    ample.plan_call(counts_SE)
+    ample.step_end()
+    assert ample.slots_R == default
+
+
+def test_static_that_cannot_fit_raises_with_rank_need_and_cap():
+    cfg = MoEConfig(**CFG)
+    counts_SE = _counts_SE(2)
+    need = _static_peak(2, counts_SE)
+    planner = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need - 1))
+    with pytest.raises(MemoryBudgetExceeded) as err:
+        planner.plan_call(counts_SE)
+    e = err.value
+    assert isinstance(e, ValueError) and (e.rank, e.needed, e.cap) == (0, need, need - 1)
+    msg = str(e)
+    assert f"rank 0 needs {need} bytes" in msg and f"is {need - 1}" in msg
+    assert "x and activations" in msg and "static-recompute" in msg and "fewer tokens" in msg
+    assert LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need)).plan_call(
+        counts_SE).peak_R[0] == need
+    # a cap below the owned experts' parameters and gradients fails when the layer is built
+    with pytest.raises(MemoryBudgetExceeded, match="experts it owns"):
+        MoELayer(cfg, system="static-recompute", budget=ClusterBudget(memory_bytes=1000))
+    import pickle
+
+    again = pickle.loads(pickle.dumps(e))
+    assert (again.rank, again.needed, again.cap, str(again)) == (e.rank, e.needed, e.cap, msg)
+
+
+def test_laer_with_too_few_fixed_slots_is_a_slot_error_not_a_memory_one():
+    planner = LayerPlanner(spec_of("laer"), MoEConfig(**CFG), 2, budget=ClusterBudget(memory_bytes=10**9, slots=1))
+    with pytest.raises(ValueError, match="can assemble only 2") as err:
+        planner.plan_call(_counts_SE(2))
+    assert not isinstance(err.value, MemoryBudgetExceeded)
+
+
+def test_controller_budget_errors():
+    cfg = MoEConfig(**CFG)
+    slot = ByteModel.of(cfg).slot
+    with pytest.raises(ValueError, match="memory budget too small"):
+        Controller(cfg, ClusterBudget(slot), 2).slots(Placement.static(8, 2))
+    with pytest.raises(ValueError, match="memory_bytes"):
+        ClusterBudget(0)
+    with pytest.raises(ValueError, match="slots"):
+        ClusterBudget(10**6, slots=[1, 0])
+    # every system takes the memory cap; one below the owned experts fails at build
+    MoELayer(cfg, system="static", budget=ClusterBudget(10**6))
+    with pytest.raises(MemoryBudgetExceeded, match="memory budget too small"):
+        MoELayer(cfg, system="static", budget=ClusterBudget(slot))
+
+
+# ------------------------------------------------------------------- the keep mode under the cap
+
+
+def _predicted(planner: LayerPlanner, plan, mode: str) -> list[int]:
+    """Every rank's predicted peak in ``mode``: kept pairs where the forward computed them."""
+    rows_ER = plan.assignment.rows_ER()
+    bwd_R = torch.minimum(rows_ER, plan.quota_E.view(-1, 1)).sum(0).tolist()
+    fwd_R = rows_ER.sum(0).tolist()
+    pl, cfg = plan.placement, planner.config
+    return [expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, RankWork(
+        int(fwd_R[r]), int(bwd_R[r]), len(pl.slots[r]), len(pl.owned(r)), plan.chunk_rows_R[r], planner.world,
+        pl.num_copies > cfg.num_experts, keep=mode)) for r in range(planner.world)]
+
+
+def test_the_choice_is_the_richest_that_fits():
+    cfg, world = MoEConfig(**QWEN), 2
+    sd, x, _ = make_problem(cfg, 96, 5, "hot")
+    layer = MoELayer(cfg)
+    layer.load_full_state_dict(sd)
+    with torch.no_grad():
+        ids = layer.router(x).ids_TK
+    counts_SE = torch.stack([torch.bincount(ids[r * 48:(r + 1) * 48].flatten(), minlength=8) for r in range(world)])
+    spec, bw = spec_of("lrmoe"), BackwardConfig(ratio=0.9)
+    assert LayerPlanner(spec, cfg, world, backward=bw).plan_call(counts_SE).keep == KEEP_X_ACTS, "no cap: fastest"
+    seen = set()
+    # one fixed replica slot a rank: its memory (and the owned weights' second copy) leaves the
+    # cap's range room for every mode, poorest to richest
+    for cap in range(75_000, 135_000, 5_000):
+        planner = LayerPlanner(spec, cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=5), backward=bw)
+        plan = planner.plan_call(counts_SE)
+        assert plan.stats["keep_mode"] == plan.keep
+        seen.add(plan.keep)
+        richer = KEEP_MODES[:KEEP_MODES.index(plan.keep)]
+        for mode in richer:  # every richer mode is over the cap on some rank (or needs acts of a chunked forward)
+            chunked = any(c < n for c, n in zip(plan.chunk_rows_R, plan.assignment.rows_R()))
+            assert (mode == KEEP_X_ACTS and chunked) or max(_predicted(planner, plan, mode)) > cap, (cap, mode)
+        if plan.keep != KEEP_NOTHING:
+            assert max(_predicted(planner, plan, plan.keep)) <= cap
+        assert planner.plan_call(counts_SE, training=False).keep is None, "a forward-only call keeps nothing"
+    assert seen == set(KEEP_MODES), seen

@@ -1,0 +1,72 @@
+"""Every field of every config validated (the layer's, the backward's, the budget's, training's,
+compare's, the model's) with a message naming the field and the value; the layer's own
+arguments; topoep's topology; unknown keys rejected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe import BackwardConfig, ClusterBudget, MoEConfig
+from lrmoe.models import ModelConfig
+from lrmoe.train.config import CompareConfig, ConfigError, TrainConfig, from_dict
+
+BAD = [
+    (MoEConfig, dict(dim=8, ffn_dim=8, num_experts=4, top_k=2), [
+        ("dim", -1), ("ffn_dim", 0), ("num_experts", 0), ("top_k", 5), ("router", "tanh"),
+        ("norm_topk_prob", "yes"), ("routed_scaling_factor", 0), ("n_group", 3), ("topk_group", 9),
+        ("num_shared_experts", -1), ("shared_ffn_dim", 0), ("aux_loss_coef", -0.1), ("z_loss_coef", "x"),
+        ("dtype", "int8")]),
+    (BackwardConfig, {}, [("selection", "best"), ("ratio", 0), ("ratio", 2), ("seed", "s"), ("p_min", 0),
+                          ("p_min", 1.5)]),
+    (ClusterBudget, dict(memory_bytes=10), [("memory_bytes", 0), ("memory_bytes", [1, 0]), ("network_bytes", -5),
+                                            ("slots", 0), ("ranks_per_node", 0), ("inter_node_gbps", 0),
+                                            ("intra_node_gbps", "fast")]),
+    (TrainConfig, {}, [("system", "fast"), ("steps", 0), ("batch", -2), ("lr", 0), ("weight_decay", -1),
+                       ("warmup", -1), ("seed", -1), ("eval_every", 0), ("eval_batches", 0),
+                       ("checkpoint_every", -1), ("nproc", 0), ("ep_size", 3), ("vocab_size", 100),
+                       ("val_fraction", 0.9), ("bias_update_rate", -1), ("capacity_factor", 0),
+                       ("replan_interval", 0), ("on_nonfinite", "ignore"), ("device", "tpu"),
+                       ("routing_trace", "runs/x/routing.npz"), ("keep_checkpoints", 0)]),
+    (CompareConfig, {}, [("systems", ("static", "warp")), ("target_fraction", 0), ("budget_factor", 0.5)]),
+    (ModelConfig, {}, [("vocab_size", 0), ("dim", 0), ("n_layers", 0), ("n_heads", 3), ("seq_len", 0),
+                       ("first_dense_layers", 9), ("dense_ffn_dim", 0)]),
+]
+
+
+@pytest.mark.parametrize("cls,base,field,value",
+                         [(c, b, f, v) for c, b, cases in BAD for f, v in cases],
+                         ids=lambda p: getattr(p, "__name__", str(p)))
+def test_every_field_is_validated(cls, base, field, value):
+    with pytest.raises(ValueError) as e:
+        cls(**{**base, field: value})
+    msg = str(e.value)
+    shown = {str(value), repr(value), repr(list(value)) if isinstance(value, tuple) else repr(value)}
+    assert field in msg and any(v in msg for v in shown), msg
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"system": "fastest"}, "system"), ({"capacity_factor": 0}, "capacity_factor"),
+    ({"replan_interval": 0}, "replan_interval"), ({"load_ema": 1.0}, "load_ema"),
+    ({"system": "static", "budget": ClusterBudget(10)}, "budget"),  # cannot hold its own experts
+    ({"system": "topoep"}, "ranks_per_node"),
+    ({"system": "static", "routing_trace": torch.ones(2, 4)}, "routing_trace"),
+])
+def test_layer_arguments_validated(kwargs, field):
+    from lrmoe import MoELayer
+
+    with pytest.raises(ValueError, match=field):
+        MoELayer(MoEConfig(dim=8, ffn_dim=8, num_experts=4, top_k=2), **kwargs)
+
+
+def test_topoep_config_needs_topology():
+    with pytest.raises(ConfigError, match="ranks_per_node"):
+        from_dict({"train": {"system": "topoep"}})
+    assert from_dict({"train": {"system": "topoep"}, "budget": {"ranks_per_node": 1}}).budget.node_of(2) == [0, 1]
+
+
+def test_unknown_keys_are_rejected():
+    for raw, needle in [({"train": {"stepz": 3}}, "stepz"), ({"trian": {}}, "trian"),
+                        ({"model": {"moe": {"experts": 3}}}, "experts"), ({"model": {"preset": "big"}}, "big")]:
+        with pytest.raises(ConfigError, match=needle):
+            from_dict(raw)

@@ -1,0 +1,87 @@
+"""``lrmoe compare --memory-caps``: cap parsing, one shared reference, every system run under
+each cap, and the sweep's results (training replaced by a fake launcher: the plumbing is
+under test here; tests/layer/test_memory_cap.py and tests/train/test_train.py cover capped runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lrmoe.train import compare, sweep
+from lrmoe.train.config import ConfigError, from_dict
+from lrmoe.train.launch import clear_outputs
+
+REFERENCE_PEAK = 1000  # the fake reference's peak expert-side bytes
+
+
+@pytest.mark.parametrize("text, want", [
+    ("70000000", ("bytes", 70e6)), ("70MB", ("bytes", 70e6)), ("66.8MiB", ("bytes", 66.8 * 2**20)),
+    ("1.5GiB", ("bytes", 1.5 * 2**30)), ("0.8x", ("fraction", 0.8)), (" 2KB ", ("bytes", 2000.0))])
+def test_parse_cap(text, want):
+    assert sweep.parse_cap(text) == want
+
+
+@pytest.mark.parametrize("text", ["abc", "70TB", "-1x", "0x", "0.5", ",", "1e2e3"])
+def test_parse_cap_rejects(text):
+    with pytest.raises(ConfigError, match="--memory-caps"):
+        sweep.parse_caps(text)
+
+
+def fake_launch(calls: list):
+    """A launcher that writes a run: the reference evaluates 3, 2, 1 at steps 1-3; a system under
+    a cap below the reference's peak runs out of memory at step 2 if it is ``static``, reaches
+    the target at step 2 otherwise; MoE time 1 s a step."""
+
+    def launch(cfg, out: Path, max_steps=None, stop_at=None, eval_at=(), **kw):
+        out.mkdir(parents=True, exist_ok=True)
+        cap = cfg.budget.memory_bytes if cfg.budget is not None else None
+        calls.append((out.name, cfg.train.system, cap))
+        rows = []
+        for step in (1, 2, 3):
+            if cap is not None and cap < REFERENCE_PEAK and cfg.train.system == "static" and step == 2:
+                rows.append({"step": 2, "oom": "rank 0: memory budget exceeded"})
+                break
+            rows.append({"step": step, "moe_time_s": float(step), "kept_ratio": 1.0, "load_cv": [0.5],
+                         "peak_expert_side_bytes": REFERENCE_PEAK if cap is None else min(cap, REFERENCE_PEAK),
+                         "val_loss": 4.0 - step})
+            if stop_at is not None and rows[-1]["val_loss"] <= stop_at:
+                break
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / "config.toml").write_text("")
+        summary = {"unigram_loss": 5.0, "steps": rows[-1]["step"]}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return launch
+
+
+def test_sweep_shares_the_reference_and_runs_every_system_under_each_cap(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare, "launch", fake_launch(calls))
+    monkeypatch.setattr(sweep, "launch", fake_launch(calls))
+    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
+    cfg = from_dict({"train": {"steps": 3}, "compare": {"target_fraction": 0.67, "budget_factor": 1.0}})
+    doc = sweep.run_sweep(cfg, ("static", "lrmoe"), ["0.5x", "2KB"], tmp_path)
+
+    assert calls[0] == ("static-uncapped", "static", None), "the reference runs first, without a cap"
+    assert sum(1 for c in calls if c[0] == "static-uncapped") == 1, "one reference for every cap"
+    assert sorted(c[1:] for c in calls[1:]) == [("lrmoe", 500), ("lrmoe", 2000), ("static", 500), ("static", 2000)]
+    assert doc["reference_peak_bytes"] == REFERENCE_PEAK and doc["target_loss"] == 2.0
+    assert [c["memory_cap_bytes"] for c in doc["caps"]] == [500, 2000]
+    assert [r["status"] for r in doc["systems"]["static"]] == ["oom", "reached"]
+    assert doc["systems"]["static"][0]["oom_step"] == 2
+    assert [r["steps_to_target"] for r in doc["systems"]["lrmoe"]] == [2, 2]
+    assert "static-uncapped" not in doc["systems"]
+    assert doc["reference"]["name"] == "static-uncapped" and doc["reference"]["steps_to_target"] == 2
+    assert json.loads((tmp_path / "sweep.json").read_text()) == doc
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    assert "oom@2" in sweep.sweep_table(doc)
+    for folder in ("cap-0.5x", "cap-2KB"):
+        assert (tmp_path / folder / "static-uncapped").is_symlink()
+        assert json.loads((tmp_path / folder / "results.json").read_text())["systems"]["static-uncapped"]
+
+    clear_outputs(tmp_path / "cap-0.5x")  # a cap's folder cleared: its link goes, the shared reference stays
+    assert not (tmp_path / "cap-0.5x" / "static-uncapped").exists()
+    assert (tmp_path / "static-uncapped" / "metrics.jsonl").exists()
