@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
-from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.parallel import comm
-from lrmoe.planning import cap_fit as fit
+from lrmoe.planning.planner import LayerPlanner
 from tests.helpers.layer import QWEN, Recorder, close, make_problem, split_tokens
 from tests.helpers.pool import RankPool
 from tests.oracles.dense_moe import reference_grads
@@ -27,7 +27,7 @@ def pool():
 
 
 def _force(mp: pytest.MonkeyPatch, mode: str) -> None:
-    mp.setattr(fit.CapFitting, "keep_mode", lambda self, *args: mode)
+    mp.setattr(LayerPlanner, "_keep_mode", lambda self, *args: mode)
 
 
 def modes_case(group, selection: str):

@@ -1,7 +1,7 @@
 """The planners as they were before the speed-ups, kept verbatim as the reference (but for the
 ``ref_`` prefix of their names): min-peak assignment (lrmoe.planning.balance), max-min fair quotas
 and the largest ratio (then in lrmoe.planning.controller), replica placement
-(lrmoe.planning.placement) and the replication family's planners (lrmoe.planning.replication).
+(lrmoe.planning.placement) and the replication family's planners (lrmoe.planning.strategies).
 The faster planners must match them bit for bit, errors included (tests/planning/test_balance.py,
 test_quotas.py, test_placement.py, test_replication.py). Nothing here is a test; do not edit these
 to follow a change of the planners: a change of behaviour shows as a mismatch."""
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from lrmoe.planning.placement import Placement
-from lrmoe.planning.replication import CostModel
+from lrmoe.planning.strategies import CostModel
 
 
 def ref_level_for(need: int, base: np.ndarray, cap: np.ndarray) -> int | None:

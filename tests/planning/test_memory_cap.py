@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
-from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
+from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.planner import LayerPlanner

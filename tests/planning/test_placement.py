@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lrmoe.planning.placement import Placement, copies_by_load, place_copies, plan_replicas
-from lrmoe.planning.replication import laer_layout
+from lrmoe.planning.strategies import laer_layout
 from tests.helpers.planning import paper_scale, same_outcome
 from tests.oracles.planners import ref_copies_by_load, ref_laer_layout, ref_place_copies, ref_plan_replicas
 

@@ -73,26 +73,26 @@ def test_lrmoe_replica_search_walks_from_the_last_choice(monkeypatch):
     is at the edge: under a steady load three plans, with the choice of a search over all."""
     import copy
 
-    import lrmoe.planning.planner
+    import lrmoe.planning.controller
 
     planner = _lrmoe_planner(50_000_000, 1e6)
     planner.default_slots_R = [12, 12]  # room for more candidates: 0, 1, 2, 3, 4, 6, 8
     hot = torch.tensor([[400, 200, 10, 10, 10, 10, 10, 10]] * 2)
     scored = []
-    real = lrmoe.planning.planner.LayerPlanner._controller_forward
-    monkeypatch.setattr(lrmoe.planning.planner.LayerPlanner, "_controller_forward",
+    real = lrmoe.planning.controller.Controller.fit_forward
+    monkeypatch.setattr(lrmoe.planning.controller.Controller, "fit_forward",
                         lambda self, *a: scored.append(1) or real(self, *a))
     planner.plan_call(hot)
     planner.step_end()
     first = len(scored)
     assert first >= 6, "the first search scores every candidate"
-    for _ in range(planner.search_interval - 1):
+    for _ in range(planner.search.interval - 1):
         planner.plan_call(hot)
         scored.clear()
-        everything = copy.deepcopy(planner)._controller_replicas(in_call=True)
+        everything = copy.deepcopy(planner)._search_replicas(in_call=True)
         scored.clear()
         planner.step_end()
-    assert planner.steps == planner.search_interval
+    assert planner.steps == planner.search.interval
     assert 3 <= len(scored) <= 4, len(scored)
     assert planner.placement.slots == everything.slots, "the walk finds the full search's choice"
 
@@ -104,12 +104,12 @@ def test_lrmoe_replica_count_is_searched_every_replan_interval():
     hot, flat = torch.tensor([[400, 10, 10, 10, 10, 10, 10, 10]] * 2), torch.tensor([[60] * 8] * 2)
     planner.plan_call(hot)
     planner.step_end()
-    chosen = planner._replica_k
+    chosen = planner.search.k
     assert chosen and planner.placement.num_copies > 8
     for step in range(2, 11):
         planner.plan_call(flat)
         planner.step_end()
-        if step < planner.search_interval:
-            assert planner._replica_k == chosen, step
-    assert planner.steps == 10 and planner._replica_k == 0 and planner.placement.num_copies == 8
+        if step < planner.search.interval:
+            assert planner.search.k == chosen, step
+    assert planner.steps == 10 and planner.search.k == 0 and planner.placement.num_copies == 8
     assert planner.state()["replica_k"] == 0

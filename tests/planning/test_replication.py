@@ -1,4 +1,4 @@
-"""The replication family's planners (lrmoe.planning.replication) on a skewed load: fastermoe's
+"""The replication family's planners (lrmoe.planning.strategies) on a skewed load: fastermoe's
 shadowing, flexmoe's re-placement when the gain beats the cost, smartmoe's pool, LAER's layout,
 ultraep's per-call plan, topoep's node-local matching, each below static's peak; and
 shadow_experts and localize against the planners before the speed-ups
@@ -12,7 +12,7 @@ import torch
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.balance import assign_min_peak
 from lrmoe.planning.placement import Placement, plan_replicas
-from lrmoe.planning.replication import (
+from lrmoe.planning.strategies import (
     CostModel,
     flexmoe_replan,
     laer_layout,

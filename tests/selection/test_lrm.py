@@ -9,7 +9,7 @@ import torch
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.parallel import comm
-from lrmoe.selection.selections import fixed_ratio_quota
+from lrmoe.selection import fixed_ratio_quota
 from tests.helpers.layer import GLM, QWEN, Recorder, close, make_problem, split_tokens
 from tests.oracles.dense_moe import dense_moe, reference_grads
 

@@ -1,4 +1,4 @@
-"""The selections (lrmoe.selection.selections) through the layer and on their own: random and
+"""The selections (lrmoe.selection) through the layer and on their own: random and
 local keep exactly q_e (local: each rank its largest-remainder share), the largest-remainder
 split and the quota's rounding, bad backward configs, non-finite scores kept and reported (and
 kept first within a local selection's shares), squared norms that never overflow."""
@@ -13,7 +13,7 @@ import torch
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.parallel import comm
-from lrmoe.selection.selections import fixed_ratio_quota, largest_remainder, scaled_squared_norms, squared_norms
+from lrmoe.selection import fixed_ratio_quota, largest_remainder, scaled_squared_norms, squared_norms
 from tests.helpers.layer import QWEN, make_problem
 
 
@@ -145,7 +145,7 @@ def test_local_selection_keeps_nonfinite_first_within_its_shares(selection):
 
 
 def test_huge_finite_values_do_not_overflow_scores():
-    from lrmoe.selection.selections import squared_norms
+    from lrmoe.selection import squared_norms
 
     x = torch.full((3, 64), 3e37)
     sq = squared_norms(x)

@@ -15,13 +15,13 @@ from tqdm import tqdm
 from lrmoe.cli import main
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.layer import MoELayer
-from lrmoe.selection.selections import fixed_ratio_quota
+from lrmoe.selection import fixed_ratio_quota
 from lrmoe.sim.budget import GIB
 from lrmoe.sim.config import SimConfig, routing_counts
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.host import PlanningReference
-from lrmoe.sim.memory import RankWork, expert_side_peak
 from lrmoe.sim.layer_calls import SystemPlanner
+from lrmoe.sim.memory import RankWork, expert_side_peak
 from lrmoe.sim.report import table_md
 from lrmoe.sim.run import Projection, simulate
 from lrmoe.sim.target import StepsToTarget
