@@ -18,7 +18,7 @@ status=0
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout 240 "$PY" -m pytest -q -rxXs tests/test_cuda.py tests/test_gpu_layer_bench.py 2>&1 \
+timeout 240 "$PY" -m pytest -q -rxXs tests/layer/test_cuda.py tests/benchmarks/test_gpu_layer.py 2>&1 \
     | tee "$OUT/pytest_cuda.txt" | tail -25 || status=1
 
 for ep in 1 64; do
