@@ -23,12 +23,25 @@ import argparse
 import sys
 from pathlib import Path
 
-from lrmoe.systems import parse_system_name
+from lrmoe.systems import (
+    REFERENCE_SYSTEM,
+    REPLICATED_BASELINE,
+    TRIMMING_SYSTEM,
+    BackwardKind,
+    names_where,
+    parse_system_name,
+)
 from lrmoe.train.checkpoint import CheckpointError
 from lrmoe.train.config import ConfigError, RunConfig, load, require_int
 from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
 from lrmoe.train.launch import RankError, check_out, launch, preflight
 from lrmoe.train.rendezvous import Rendezvous, current_rendezvous, use_rendezvous
+
+# System names in the help come from systems.py (each example parses: system[-selection][@ratio])
+OURS, BASE = TRIMMING_SYSTEM, REPLICATED_BASELINE
+MASKED = names_where(backward=BackwardKind.MASKED)[0]  # the selective kept set on full-size tensors
+SYSTEM_EXAMPLES = f"{OURS}-random@0.5 or {MASKED}@0.25"  # --system
+SYSTEMS_EXAMPLE = f"{REFERENCE_SYSTEM},{BASE},{OURS}@0.5"  # --systems
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
@@ -157,15 +170,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     print(f"wrote {out}/table.md, results.json, memory_sensitivity.png, bandwidth_sensitivity.png")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse, dispatch; a user error exits 2 with one line on stderr."""
-    ap = argparse.ArgumentParser(prog="lrmoe", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+def _train_parser(sub) -> None:
+    """``lrmoe train``'s flags."""
     tr = sub.add_parser("train", help="train one system")
     _common(tr)
-    tr.add_argument("--system", help="overrides train.system; compare's names too, e.g. lrmoe-random@0.5 or "
-                                     "masked@0.25 (selection and ratio go to [backward])")
+    tr.add_argument("--system", help=f"overrides train.system; compare's names too, e.g. {SYSTEM_EXAMPLES} "
+                                     "(selection and ratio go to [backward])")
     tr.add_argument("--out", help="output folder (default runs/SYSTEM); a used one needs --resume or --overwrite")
     tr.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in --out, "
                                                              "also at another --nproc or --ep-size")
@@ -173,9 +183,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="restart failed ranks this many times; restarted ranks resume from the last checkpoint "
                          "(with train.checkpoint_every = 0, checkpoints then come every train.eval_every steps)")
     tr.set_defaults(fn=cmd_train)
+
+
+def _compare_parser(sub) -> None:
+    """``lrmoe compare``'s flags."""
     cp = sub.add_parser("compare", help="time to a target loss, system by system")
     _common(cp)
-    cp.add_argument("--systems", help="comma-separated, e.g. static,symi,lrmoe@0.5 (overrides compare.systems)")
+    cp.add_argument("--systems", help=f"comma-separated, e.g. {SYSTEMS_EXAMPLE} (overrides compare.systems)")
     cp.add_argument("--out", help="output folder (default runs/compare); a used one needs --resume or --overwrite")
     cp.add_argument("--resume", action="store_true",
                     help="keep the systems whose runs in --out finished with the same config; run the rest")
@@ -184,6 +198,13 @@ def main(argv: list[str] | None = None) -> None:
                          "fraction of the uncapped reference's peak such as 0.8x) and plot MoE time to target "
                          "against the cap (sweep.json, sweep.png)")
     cp.set_defaults(fn=cmd_compare)
+
+
+def _simulate_parser(sub) -> None:
+    """``lrmoe simulate``'s flags."""
+    # the flag's values belong to the simulator's config (light; the rest loads in cmd_simulate)
+    from lrmoe.sim.config import LRMOE_SLOTS_FIXED, LRMOE_SLOTS_SEARCH
+
     sm = sub.add_parser("simulate", help="paper-scale projection of time to target and memory (docs/simulation.md)")
     sm.add_argument("--model", required=True, help="qwen3-30b-a3b, glm45-air or all")
     sm.add_argument("--gpus", type=int, required=True, help="GPUs in the expert-parallel group (8 per node)")
@@ -191,26 +212,36 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--link-gbps", type=float, default=400.0, help="inter-node Gbit/s per GPU (default 400)")
     sm.add_argument("--trace", help="routing.npz of an `lrmoe train` run (default: Zipf skew model)")
     sm.add_argument("--compare", help="results.json of an `lrmoe compare` run (default: the shipped one)")
-    sm.add_argument("--convergence", help="a benchmarks/convergence.py JSON: lrmoe's steps to target "
+    sm.add_argument("--convergence", help=f"a benchmarks/convergence.py JSON: {OURS}'s steps to target "
                     "(default: the shipped study)")
     sm.add_argument("--planning", help="a benchmarks/bench_planning.py JSON: host planning cost per planner "
                     "call (default: the recorded figures)")
     sm.add_argument("--steps", type=int, default=20, help="simulated steps (default 20)")
     sm.add_argument("--layers", type=int, default=4, help="representative MoE layers (default 4)")
     sm.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
-    sm.add_argument("--ratios", default="1", help="upper caps on lrmoe's kept ratio, comma list (default 1: "
+    sm.add_argument("--ratios", default="1", help=f"upper caps on {OURS}'s kept ratio, comma list (default 1: "
                     "the controller's quotas at the cap alone)")
-    sm.add_argument("--selection", default="local-sampled", help="lrmoe's selection: its exchange and its "
+    sm.add_argument("--selection", default="local-sampled", help=f"{OURS}'s selection: its exchange and its "
                     "steps to target (lrm, random, local, sampled, local-sampled; default local-sampled)")
-    sm.add_argument("--lrmoe-slots", default="search", help="lrmoe replica slots: search (the controller's "
-                    "cost search, default) or symi (symi's default count, fixed)")
-    sm.add_argument("--network-budget", type=float, default=1.0, help="lrmoe's network budget per backward, "
+    sm.add_argument("--lrmoe-slots", default=LRMOE_SLOTS_SEARCH, help=f"{OURS} replica slots: {LRMOE_SLOTS_SEARCH} "
+                    f"(the controller's cost search, default) or {LRMOE_SLOTS_FIXED} ({BASE}'s default count, fixed)")
+    sm.add_argument("--network-budget", type=float, default=1.0, help=f"{OURS}'s network budget per backward, "
                     "x a balanced rank's dy, x and dx of every pair (default 1; 0: none)")
     sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--quiet", action="store_true", help="no progress bar")
     sm.add_argument("--out", required=True, help="output folder")
     sm.set_defaults(fn=cmd_simulate)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse, dispatch; a user error exits 2 with one line on stderr."""
+    ap = argparse.ArgumentParser(prog="lrmoe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _compare_parser(sub)
+    _simulate_parser(sub)
     args = ap.parse_args(argv)
     try:
         for name, least in (("nproc", 1), ("ep_size", 0), ("steps", 1), ("max_restarts", 0)):

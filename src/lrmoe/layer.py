@@ -23,7 +23,7 @@ from lrmoe.planning.placement import Placement
 from lrmoe.planning.planner import LayerPlanner
 from lrmoe.router import Router, aux_losses
 from lrmoe.selection.streams import SelectionStreams
-from lrmoe.systems import PlacementKind, names_where, spec_of
+from lrmoe.systems import DEFAULT_SYSTEM, PlacementKind, names_where, spec_of
 
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -51,7 +51,7 @@ class MoELayer(nn.Module):
     def __init__(
         self,
         config: MoEConfig,
-        system: str = "static",
+        system: str = DEFAULT_SYSTEM,
         group: Group = None,
         backward: BackwardConfig | None = None,
         budget: ClusterBudget | None = None,

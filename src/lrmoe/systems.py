@@ -174,3 +174,13 @@ def parse_system_name(name: str) -> SystemName:
     except ValueError:
         raise bad from None
     return SystemName(system, selection or None, value)
+
+
+def base_system(name: str) -> str | None:
+    """The system a ``system[-selection][@ratio]`` name runs (``lrmoe`` for ``lrmoe-random@0.5``),
+    or None for a name that is no system's (a run folder such as ``static-uncapped``), so that a
+    caller classifying folders or table rows by their system need not spell a name."""
+    try:
+        return parse_system_name(name).system
+    except ValueError:
+        return None

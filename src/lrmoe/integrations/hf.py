@@ -21,6 +21,7 @@ from torch import nn
 from lrmoe.config import MoEConfig
 from lrmoe.layer import MoELayer, moe_layers
 from lrmoe.router import Routing
+from lrmoe.systems import DEFAULT_SYSTEM
 
 
 def config_from_hf_block(block: nn.Module) -> MoEConfig:
@@ -116,7 +117,7 @@ def _split_overrides(kwargs: dict) -> tuple[dict, dict]:
 
 def patch_model(
     model: nn.Module,
-    system: str = "static",
+    system: str = DEFAULT_SYSTEM,
     backward=None,
     budget=None,
     group=None,

@@ -17,11 +17,13 @@ import torch
 from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Group, WireCounter
 from lrmoe.planning.placement import Placement
+from lrmoe.systems import PlacementKind, names_where
 
 
 def check_shardable(ffn_dim: int, world: int) -> None:
     if ffn_dim % world:
-        raise ValueError(f"system='laer' shards the expert hidden size over ranks: ffn_dim={ffn_dim} must be "
+        sharded = names_where(placement=PlacementKind.SHARDED)[0]  # the one system that shards its experts
+        raise ValueError(f"system={sharded!r} shards the expert hidden size over ranks: ffn_dim={ffn_dim} must be "
                          f"a multiple of the world size {world}")
 
 

@@ -4,6 +4,6 @@ One idea per module, data flowing one way: ``config`` (the inputs) and ``models`
 counts) → ``plan`` (the library's placement, quotas, keep modes and redistribution; ``host``:
 host planning from the benchmark's recorded figures) → ``memory`` / ``budget`` (expert-side and
 whole-step bytes) → ``hardware`` / ``cost`` (α–β all-to-all, roofline GEMMs) → ``target``
-(steps to target from measured runs) → ``run`` (the fair rules: slot and budget searches) →
-``whatif`` → ``report``.
+(steps to target from measured runs) → ``summary`` (a system's results row) → ``search`` (the
+fair rules: slot and budget searches) → ``run`` (the projection) → ``whatif`` → ``report``.
 """

@@ -29,7 +29,7 @@ from lrmoe.sim.errors import SimError
 from lrmoe.sim.layer_calls import LayerCall
 from lrmoe.sim.memory import home_bytes
 from lrmoe.sim.models import ModelSpec
-from lrmoe.systems import spec_of
+from lrmoe.systems import TRIMMING_SYSTEM, spec_of
 
 __all__ = ["GIB", "dense_bytes", "lrmoe_budget", "per_layer_state", "step_peak_bytes"]
 
@@ -106,6 +106,6 @@ def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: in
             hi = mid - 1
     if best is None:
         least = owned * bytes_.slot
-        raise SimError(f"lrmoe: a {cap_bytes / GIB:.1f} GiB GPU cannot hold {spec.moe_layers} layers' owned experts "
-                       f"and states ({(spec.moe_layers * (least + state)) / GIB:.1f} GiB needed)")
+        raise SimError(f"{TRIMMING_SYSTEM}: a {cap_bytes / GIB:.1f} GiB GPU cannot hold {spec.moe_layers} layers' "
+                       f"owned experts and states ({(spec.moe_layers * (least + state)) / GIB:.1f} GiB needed)")
     return best

@@ -15,8 +15,14 @@ from lrmoe.sim.errors import SimError
 from lrmoe.sim.hardware import H200, Hardware
 from lrmoe.sim.models import MODELS, ModelSpec
 from lrmoe.sim.trace import load_trace, pick_layers, rescale_counts, zipf_counts
+from lrmoe.systems import REFERENCE_SYSTEM, REPLICATED_BASELINE
 
 DTYPE_BYTES = 2  # bf16
+# --lrmoe-slots: the controller's per-step cost search, or the replicated baseline's default
+# count, fixed; the flag's value for the latter is that system's name (a public CLI value)
+LRMOE_SLOTS_SEARCH = "search"
+LRMOE_SLOTS_FIXED = REPLICATED_BASELINE
+LRMOE_SLOTS = (LRMOE_SLOTS_SEARCH, LRMOE_SLOTS_FIXED)
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class SimConfig:
     tokens_per_gpu: int = 4096
     ratios: tuple[float, ...] = (1.0,)  # upper caps on lrmoe's kept ratio (BackwardConfig.ratio)
     selection: str = "local-sampled"
-    lrmoe_slots: str = "search"  # "search": the controller's per-step cost search; "symi": symi's default, fixed
+    lrmoe_slots: str = LRMOE_SLOTS_SEARCH  # or LRMOE_SLOTS_FIXED: the replicated baseline's default count
     network_budget: float | None = 1.0  # × a balanced rank's keep-nothing backward bytes; None: no network budget
     optimizer_bytes_per_param: float = 12.0
     zipf: float = 0.3
@@ -60,8 +66,9 @@ class SimConfig:
                 raise SimError(f"{name}={v!r} is invalid: expected an integer >= 1")
         if not self.ratios or any(not (0 < r <= 1) for r in self.ratios):
             raise SimError(f"--ratios={self.ratios!r} is invalid: expected values in (0, 1]")
-        if self.lrmoe_slots not in ("search", "symi"):
-            raise SimError(f"--lrmoe-slots={self.lrmoe_slots!r} is invalid: expected 'search' or 'symi'")
+        if self.lrmoe_slots not in LRMOE_SLOTS:
+            raise SimError(f"--lrmoe-slots={self.lrmoe_slots!r} is invalid: expected "
+                           f"{LRMOE_SLOTS_SEARCH!r} or {LRMOE_SLOTS_FIXED!r}")
         if self.selection not in SELECTIONS:
             raise SimError(f"--selection={self.selection!r} is invalid: expected one of {SELECTIONS}")
         if self.network_budget is not None and not (self.network_budget > 0):
@@ -89,16 +96,17 @@ class SimConfig:
 
 
 def check_caps(cfg: SimConfig) -> None:
-    """Every cap must at least hold static's expert parameters, gradients and optimizer state."""
+    """Every cap must at least hold the reference's (static: one copy an expert) expert
+    parameters, gradients and optimizer state."""
     spec = cfg.spec
     owned = -(-spec.num_experts // cfg.gpus)
     params = expert_param_bytes(spec.dim, spec.ffn_dim, 1) * owned
     need = spec.moe_layers * params * (2 * DTYPE_BYTES + cfg.optimizer_bytes_per_param)
     for cap in cfg.memory_caps_gib:
         if cap * GIB < need:
-            raise SimError(f"--gpu-memory {cap:g} GiB is too small for {spec.name} on {cfg.gpus} GPUs: static's "
-                           f"{owned} experts per GPU × {spec.moe_layers} layers need {need / GIB:.1f} GiB for "
-                           f"parameters, gradients and optimizer state alone")
+            raise SimError(f"--gpu-memory {cap:g} GiB is too small for {spec.name} on {cfg.gpus} GPUs: "
+                           f"{REFERENCE_SYSTEM}'s {owned} experts per GPU × {spec.moe_layers} layers need "
+                           f"{need / GIB:.1f} GiB for parameters, gradients and optimizer state alone")
 
 
 def routing_counts(cfg: SimConfig) -> tuple[np.ndarray, list[int], str]:

@@ -12,9 +12,11 @@ import json
 from pathlib import Path
 
 from lrmoe.memory.bytes import GIB
-from lrmoe.systems import REFERENCE_SYSTEM
+from lrmoe.systems import REFERENCE_SYSTEM, REPLICATED_BASELINE, TRIMMING_SYSTEM, base_system
 
-SYMI = "symi"  # the reference of the time columns (the memory columns': REFERENCE_SYSTEM)
+# the tables' roles (the text names them too, so it follows systems.py): the time columns are
+# measured against BASE (symi), the memory columns against REF (static); OURS (lrmoe) heads them
+BASE, REF, OURS = REPLICATED_BASELINE, REFERENCE_SYSTEM, TRIMMING_SYSTEM
 
 
 def _pct(new: float | None, ref: float | None) -> str:
@@ -27,12 +29,12 @@ def _num(v: float | None, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
-HEADER = ("Reduction vs symi: (symi − system) / symi of cumulative MoE-layer time to the target loss "
-          "(positive = faster); symi is its fastest replica count that fits the cap. Host planning: the "
+HEADER = (f"Reduction vs {BASE}: ({BASE} − system) / {BASE} of cumulative MoE-layer time to the target loss "
+          f"(positive = faster); {BASE} is its fastest replica count that fits the cap. Host planning: the "
           "library's planner calls in each layer call times their recorded benchmark cost "
           "(src/lrmoe/sim/planning_reference.json, from benchmarks/bench_planning.py), never this machine's "
           "clock, so every column is the same on an idle and a busy machine; device-only: the same without "
-          "it. Memory reduction vs static: (static − system) / static of the peak expert-side bytes of one "
+          f"it. Memory reduction vs {REF}: ({REF} − system) / {REF} of the peak expert-side bytes of one "
           "layer call, max over ranks; step memory: the whole training step per GPU, all MoE layers. "
           "`oom`: the whole step does not fit the cap; `not reached`: no measured step count at this kept "
           "ratio. Assumptions and fair rules: docs/simulation.md.")
@@ -44,24 +46,29 @@ def _keep(modes: dict | None) -> str:
     return " / ".join(f"{m} {100 * v:.0f} %" if v < 1 else m for m, v in sorted(modes.items(), key=lambda kv: -kv[1]))
 
 
+def _ours(name: str) -> bool:
+    """A row of the trimming system (any selection and ratio)."""
+    return base_system(name) == OURS
+
+
 def _lrmoe_names(rows: dict) -> list[str]:
-    return [n for n in rows if n.startswith("lrmoe")]
+    return [n for n in rows if _ours(n)]
 
 
 def headline_md(results: dict[str, dict]) -> list[str]:
     """lrmoe against the best symi that fits, per model and cap: per-step device time and MoE
     time to target."""
-    out = ["## lrmoe against the best symi that fits", "",
-           "| model | cap GiB | symi slots | symi device ms/step | lrmoe | lrmoe device ms/step | kept | keep mode "
-           "| symi time to target s | lrmoe time to target s | vs symi | device-only vs symi "
-           "| fastest other that fits | lrmoe vs it |",
+    out = [f"## {OURS} against the best {BASE} that fits", "",
+           f"| model | cap GiB | {BASE} slots | {BASE} device ms/step | {OURS} | {OURS} device ms/step | kept "
+           f"| keep mode | {BASE} time to target s | {OURS} time to target s | vs {BASE} | device-only vs {BASE} "
+           f"| fastest other that fits | {OURS} vs it |",
            "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
     for model, doc in results.items():
         for cap, rows in doc["caps"].items():
-            symi = rows.get(SYMI, {})
+            symi = rows.get(BASE, {})
             sym_ok = symi.get("status") == "ok"
             others = [(o["moe_time_to_target_s"], n) for n, o in rows.items()
-                      if not n.startswith("lrmoe") and o.get("moe_time_to_target_s") is not None]
+                      if not _ours(n) and o.get("moe_time_to_target_s") is not None]
             best = min(others) if others else None
             for name in _lrmoe_names(rows):
                 r = rows[name]
@@ -80,14 +87,14 @@ def headline_md(results: dict[str, dict]) -> list[str]:
 
 def what_if_md(results: dict[str, dict]) -> list[str]:
     """The what-if grids (lrmoe's steps × host planning) as one table per model."""
-    out = ["## What if: lrmoe vs symi under other assumptions", "",
-           "Reduction of MoE time to target of lrmoe against the best symi that fits (where symi does not "
-           "fit: the fastest other system that does), same simulated device time; rows: lrmoe's steps to "
-           "target (× static's; `measured`: the headline's, from the convergence study), columns: host "
+    out = [f"## What if: {OURS} vs {BASE} under other assumptions", "",
+           f"Reduction of MoE time to target of {OURS} against the best {BASE} that fits (where {BASE} does not "
+           f"fit: the fastest other system that does), same simulated device time; rows: {OURS}'s steps to "
+           f"target (× {REF}'s; `measured`: the headline's, from the convergence study), columns: host "
            "planning per layer call of every system that plans (`0`, `1 ms`, `bench`: the headline's "
-           "benchmark figures). `not measured`: no measured steps at lrmoe's kept ratio.", ""]
+           f"benchmark figures). `not measured`: no measured steps at {OURS}'s kept ratio.", ""]
     for model, doc in results.items():
-        out += [f"### {model}", "", "| cap GiB | lrmoe | against | steps | host 0 | host 1 ms | host bench |",
+        out += [f"### {model}", "", f"| cap GiB | {OURS} | against | steps | host 0 | host 1 ms | host bench |",
                 "|---:|---|---|---|---:|---:|---:|"]
         for cap, grids in doc.get("what_if", {}).items():
             for name, grid in grids.items():
@@ -120,20 +127,20 @@ def table_md(results: dict[str, dict]) -> str:
         out += [f"## {model} — {meta['gpus']} GPUs, {meta['tokens_per_gpu']} tokens/GPU, "
                 f"{meta['link_gbps']:g} Gbit/s inter-node", "",
                 f"Routing: {meta['routing']}. Steps to target: {'; '.join(meta.get('steps_sources', []))}; "
-                f"{meta['compare']} (static = {meta['target_steps_static']} steps). lrmoe selection: "
+                f"{meta['compare']} ({REF} = {meta['target_steps_static']} steps). {OURS} selection: "
                 f"{meta['selection']}; network budget {meta.get('network_budget')} × a balanced backward. "
                 f"Host planning: {meta.get('planning_reference')} at {meta.get('planning_shape')}.", ""]
         for cap, rows in doc["caps"].items():
-            symi = rows.get(SYMI, {})
-            static = rows.get(REFERENCE_SYSTEM, {})
+            symi = rows.get(BASE, {})
+            static = rows.get(REF, {})
             ref_t = symi.get("moe_time_to_target_s")
             ref_m = static.get("peak_expert_side_bytes")
             ref_d = symi.get("device_time_to_target_s")
             ref_s = static.get("step_peak_bytes")
             out += [f"### GPU memory cap {cap} GiB", "",
-                    "| system | status | slots a rank | keep | step ms | device ms | host ms | kept | steps × static "
-                    "| MoE time to target s | vs symi | device-only vs symi | expert-side peak GiB | vs static "
-                    "| step memory GiB | vs static |",
+                    f"| system | status | slots a rank | keep | step ms | device ms | host ms | kept | steps × {REF} "
+                    f"| MoE time to target s | vs {BASE} | device-only vs {BASE} | expert-side peak GiB | vs {REF} "
+                    f"| step memory GiB | vs {REF} |",
                     "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for name, r in rows.items():
                 peak = r.get("peak_expert_side_bytes")

@@ -165,8 +165,8 @@ def _convergence_curves(p: Path) -> dict[tuple[str, str], Curve]:
             pts.setdefault((r["selection"], r["quota"]), {})[float(r["mean_kept_ratio"])] = \
                 None if steps is None else steps / static
     except (KeyError, TypeError, AttributeError, StopIteration) as e:
-        raise SimError(f"convergence study {str(p)!r}: expected {form} and a static run "
+        raise SimError(f"convergence study {str(p)!r}: expected {form} and a {REFERENCE_SYSTEM} run "
                        f"({type(e).__name__}: {e})") from None
     if not static:
-        raise SimError(f"convergence study {str(p)!r}: its static run never reached the target")
+        raise SimError(f"convergence study {str(p)!r}: its {REFERENCE_SYSTEM} run never reached the target")
     return {key: _curve(v, f"convergence study {p}") for key, v in pts.items()}

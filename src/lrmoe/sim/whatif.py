@@ -16,6 +16,8 @@ The reference keeps its own steps (exact backwards: static's).
 
 from __future__ import annotations
 
+from lrmoe.systems import REPLICATED_BASELINE, TRIMMING_SYSTEM, base_system
+
 STEPS = ("1.00", "1.05", "measured")
 HOSTS = ("0", "1 ms", "bench")
 FITS = ("ok", "not reached")  # the step fits the cap (a time to target, or none measured)
@@ -29,12 +31,13 @@ def _host_ms(row: dict, host: str, moe_layers: int) -> float:
     return row["host_ms"]
 
 
-def what_if_reference(rows: dict[str, dict], symi: str = "symi") -> str | None:
-    """symi where it fits, else the fastest other system (not lrmoe) with a time to target."""
+def what_if_reference(rows: dict[str, dict], symi: str = REPLICATED_BASELINE) -> str | None:
+    """symi (the replicated baseline) where it fits, else the fastest other system (not the
+    trimming system, lrmoe, at any selection or ratio) with a time to target."""
     if rows.get(symi, {}).get("status") == "ok":
         return symi
     timed = [(r["moe_time_to_target_s"], n) for n, r in rows.items()
-             if not n.startswith("lrmoe") and r.get("moe_time_to_target_s") is not None]
+             if base_system(n) != TRIMMING_SYSTEM and r.get("moe_time_to_target_s") is not None]
     return min(timed)[1] if timed else None
 
 

@@ -14,7 +14,7 @@ Written to the output folder:
   ``mean_kept_ratio``, ``replica_slots`` and ``mean_load_cv`` (expert-load coefficient of
   variation; means over steps);
 - ``report.md``: the table; ``val_loss_vs_moe_time.png``, ``kept_ratio.png``,
-  ``expert_load.png``: the plots (:mod:`lrmoe.train.report`); one folder per system with its own run.
+  ``expert_load.png``: the plots (:mod:`lrmoe.train.plots`); one folder per system with its own run.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from lrmoe.systems import REFERENCE_SYSTEM, spec_of
 from lrmoe.train.config import ConfigError, RunConfig, dump_toml, parse_system_name
 from lrmoe.train.launch import launch
 from lrmoe.train.metrics import read_metrics
-from lrmoe.train.report import plots, report
+from lrmoe.train.plots import plots
+from lrmoe.train.report import report
 
 RESULT_KEYS = ("status", "steps_to_target", "moe_time_to_target_s", "final_val_loss", "steps_run", "bwd_a2a_bytes",
                "peak_expert_side_bytes", "a2a_bytes", "placement_bytes", "mean_kept_ratio", "replica_slots",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig, is_int_at_least
 from lrmoe.models import ModelConfig
-from lrmoe.systems import REFERENCE_SYSTEM, SYSTEMS, SystemName, names_where, spec_of
+from lrmoe.systems import COMPARE_DEFAULT, DEFAULT_SYSTEM, REFERENCE_SYSTEM, SYSTEMS, SystemName, names_where, spec_of
 from lrmoe.systems import parse_system_name as _parse_system_name
 from lrmoe.train.data import DEFAULT_CORPUS
 
@@ -40,7 +40,7 @@ def _require_number(where: str, v: object, least: float, strict: bool) -> None:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    system: str = "static"
+    system: str = DEFAULT_SYSTEM
     steps: int = 200
     batch: int = 8  # sequences per data-parallel rank
     lr: float = 3e-3
@@ -114,7 +114,7 @@ def parse_system_name(name: str) -> SystemName:
 
 @dataclass(frozen=True)
 class CompareConfig:
-    systems: tuple[str, ...] = ("static", "symi", "lrmoe")
+    systems: tuple[str, ...] = COMPARE_DEFAULT
     target_fraction: float = 0.8  # static's validation loss at this share of its steps is the target
     budget_factor: float = 1.5  # the others may run this many times static's steps
     target_loss: float | None = None  # a given target instead

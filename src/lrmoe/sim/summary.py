@@ -1,0 +1,98 @@
+"""One system's simulated calls as a results row: step time (device, host), memory, kept ratio
+(:func:`summarise`), its steps to target from the measured runs and the time to target under the
+cap (:func:`result_row`), and that time re-costed on other hardware (:func:`time_to_target`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lrmoe.sim.budget import step_peak_bytes
+from lrmoe.sim.config import DTYPE_BYTES, SimConfig
+from lrmoe.sim.cost import PHASES, layer_seconds
+from lrmoe.sim.hardware import Hardware
+from lrmoe.sim.layer_calls import LayerCall
+from lrmoe.sim.target import StepsToTarget
+from lrmoe.systems import REFERENCE_SYSTEM, PlacementKind, parse_system_name
+
+
+def summarise(calls: list[list[LayerCall]], cfg: SimConfig, hw: Hardware) -> dict:
+    """Step time (all MoE layers), per-phase layer time, memory and kept ratio of one system.
+    Host time is the reference cost of the planner calls (the same on every machine), its mean
+    over calls; one-time planning (lrmoe's first, full replica-count search) is left out of it
+    and reported as ``host_once_ms`` (all MoE layers, once per run); the live wall time of the
+    same planning on this machine is reported beside it."""
+    spec = cfg.spec
+    flat = [c for step in calls for c in step]
+    secs = [layer_seconds(c, spec, hw, DTYPE_BYTES) for c in flat]
+    phases = {p: 1e3 * float(np.mean([s[p] for s in secs])) for p in (*PHASES, "total")}
+    keeps = [c.keep for c in flat if c.keep is not None]
+    planner_calls: dict[str, float] = {}
+    for c in flat:
+        for name, n in c.planner_calls.items():
+            planner_calls[name] = planner_calls.get(name, 0.0) + n / len(flat)
+    L = spec.moe_layers
+    return {
+        "step_ms": phases["total"] * L,
+        "device_step_ms": (phases["total"] - phases["host"]) * L,
+        "host_ms": phases["host"] * L,
+        "host_live_ms": 1e3 * float(np.median([c.host_live_s for c in flat])) * L,
+        "host_once_ms": 1e3 * float(sum(c.once_host_s for c in flat)) / len(calls[0]) * L,
+        "layer_ms": phases,
+        "peak_expert_side_bytes": int(max(int(c.peak_R.max()) for c in flat)),
+        "step_peak_bytes": step_peak_bytes(spec, calls, DTYPE_BYTES, cfg.optimizer_bytes_per_param),
+        "kept_ratio": float(sum(c.kept_pairs for c in flat) / sum(c.total_pairs for c in flat)),
+        "copies_per_rank": int(max(int(c.copies_R.max()) for c in flat)),
+        "replicas_per_layer": float(np.mean([int(c.copies_R.sum() - c.owned_R.sum()) for c in flat])),
+        "keep_modes": {k: keeps.count(k) / len(keeps) for k in sorted(set(keeps))},
+        "planner_calls_per_layer_call": planner_calls,
+    }
+
+
+def steps_ratio(name: str, row: dict, target: StepsToTarget) -> tuple[float | None, str]:
+    """(steps to target × the reference's, where it comes from) of one row: exact backwards take
+    the reference's steps, a forward drop its measured ratio, a selective backward the measured
+    curve at its kept ratio."""
+    parsed = parse_system_name(name)
+    spec = parsed.spec
+    if not (spec.selective or spec.forward_drop):
+        if spec.placement is PlacementKind.STATIC:
+            return 1.0, f"exact backward (= {REFERENCE_SYSTEM})"
+        measured = target.ratio(name)
+        return 1.0, (f"exact backward (= {REFERENCE_SYSTEM}; the compare run measured "
+                     f"{'no step count' if measured is None else f'{measured:.3f}×'}, one seed)")
+    if not spec.selective:
+        r = target.ratio(name)
+        return r, "measured" if r is not None else "never reached the target in the compare run"
+    ratio = parsed.ratio if parsed.ratio is not None else 1.0
+    kind = "ratio" if ratio < 1 and row["kept_ratio"] >= ratio - 0.005 else "budget"
+    return target.lrmoe_steps(parsed.selection or "lrm", row["kept_ratio"], kind)
+
+
+def time_to_target(row: dict, calls: list[list[LayerCall]] | None, cfg: SimConfig, hw: Hardware
+                   ) -> float | None:
+    """MoE time to target of a simulated row on other hardware (same plans, same steps)."""
+    if calls is None or row.get("status") != "ok":
+        return None
+    return summarise(calls, cfg, hw)["step_ms"] / 1e3 * row["steps_to_target"]
+
+
+def result_row(name: str, calls: list[list[LayerCall]] | None, cfg: SimConfig, cap: int, target: StepsToTarget,
+               note: str | None) -> dict:
+    """``results.json``'s row of one system at one cap (``infeasible`` where no calls ran)."""
+    if calls is None:
+        return {"moe_time_to_target_s": None, "step_ms": None, "peak_expert_side_bytes": None,
+                "status": "infeasible", "note": note}
+    row = summarise(calls, cfg, cfg.hw)
+    ratio, how = steps_ratio(name, row, target)
+    row["steps_ratio"] = ratio
+    row["steps_to_target"] = None if ratio is None else ratio * cfg.target_steps
+    row["steps_source"] = how
+    oom = row["step_peak_bytes"] > cap
+    row["status"] = "oom" if oom else ("not reached" if ratio is None else "ok")
+    ok = not oom and ratio is not None
+    row["moe_time_to_target_s"] = row["step_ms"] / 1e3 * row["steps_to_target"] if ok else None
+    # the same without host planning time
+    row["device_time_to_target_s"] = row["device_step_ms"] / 1e3 * row["steps_to_target"] if ok else None
+    if note:
+        row["note"] = note
+    return row
