@@ -53,6 +53,19 @@ def symi_candidates(proj: Projection) -> list[dict]:
     return out
 
 
+def best_symi(candidates: list[dict], cap: int) -> tuple[dict, str]:
+    """The fastest candidate whose step fits (ties: fewer slots); if none fits, the one with
+    the least step memory (reported oom)."""
+    fits = [c for c in candidates if c["step_peak_bytes"] <= cap]
+    default = next((c["slots"] for c in candidates if c["default"]), "not tried")
+    tried = ", ".join(f"{c['slots']}: {c['step_ms']:.0f} ms / {c['step_peak_bytes'] / GIB:.1f} GiB"
+                      for c in candidates)
+    if not fits:
+        least = min(candidates, key=lambda c: (c["step_peak_bytes"], c["slots"]))
+        return least, f"no slot count fits (slots a rank: step ms / step memory: {tried})"
+    best = min(fits, key=lambda c: (c["step_ms"], c["slots"]))
+    return best, (f"{best['slots']} slots a rank, the fastest that fits (default {default}; "
+                  f"tried {tried})")
 
 
 def lrmoe_at_cap(proj: Projection, cap: int, ratio: float) -> tuple[list[list[LayerCall]] | None, str, dict]:
