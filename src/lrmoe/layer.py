@@ -99,7 +99,7 @@ class MoELayer(nn.Module):
         )
         self._streams = SelectionStreams(self.backward_config.seed, self.rank)  # one pair per selective backward
         self._routed = LayerContext(self.planner, spec, self.replicas, group, self.rank, self.backward_config,
-                                    self._streams)
+                                    self._streams, self.planner.node_of)
         self._calls = CallLog()
         self._placement_bytes = 0  # parameter bytes moved since the last training call
         self._stale = self.planner.keeps_replicas  # replicas to fetch before the next forward

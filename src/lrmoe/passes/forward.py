@@ -83,7 +83,7 @@ def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, c
     if call.plan.fetch:
         moved += layer.replicas.refresh(gate_up.detach(), down.detach(), placement, layer.rank, layer.group)
     if layer.spec.placement is PlacementKind.SHARDED:  # assembled from every rank's slices
-        slices = WireCounter(node_of=layer.planner.node_of)  # placement bytes, not the forward's rows
+        slices = WireCounter(node_of=layer.node_of)  # placement bytes, not the forward's rows
         w_gu, w_down = sharding.assemble(gate_up.detach(), down.detach(), placement, layer.rank, channel.group, slices)
         moved += slices.sent
         base = 2 * (nbytes(gate_up, down) + nbytes(w_gu, w_down))  # slices and their gradients, assembled and theirs

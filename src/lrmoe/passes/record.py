@@ -45,7 +45,7 @@ class CallLog:
 @dataclass(frozen=True)
 class LayerContext:
     """What the routed passes use of their layer; fixed for the layer's life. The forward's plan
-    stage asks the planner; the backward reads only the spec, the streams and the replicas."""
+    stage asks the planner; the backward never does."""
 
     planner: LayerPlanner
     spec: SystemSpec
@@ -54,10 +54,11 @@ class LayerContext:
     rank: int
     backward: BackwardConfig
     streams: SelectionStreams
+    node_of: list[int] | None = None  # rank -> node: inter-node bytes are counted apart
 
     def channel(self) -> Channel:
         """A fresh channel for one pass: its own byte counter (with the node map, if any)."""
-        return Channel(self.group, WireCounter(node_of=self.planner.node_of))
+        return Channel(self.group, WireCounter(node_of=self.node_of))
 
 
 @dataclass
