@@ -1,6 +1,11 @@
-"""The fixed-ratio quota q(ρ, c) = clip(⌈ρ·c − 10⁻⁶⌉, 1, c) of docs/design.md and the largest
-common ratio ρ whose quotas fit a room: the arithmetic behind :func:`lrmoe.planning.quotas.max_min_quotas`'s
-rounds, in the same IEEE operations as the reference bisection, so the same values.
+"""The fixed-ratio quota q(ρ, c) = clip(⌈ρ·c − ε⌉, 1, c) of docs/design.md (0 where c = 0) and
+the largest common ratio ρ whose quotas fit a room: the arithmetic behind
+:func:`lrmoe.planning.quotas.max_min_quotas`'s rounds, in the same IEEE operations as the
+reference bisection, so the same values.
+
+This module is the quota's one home: :data:`QUOTA_EPS`, the scalar form :func:`quota_float`
+(which every loop here calls), the numpy form :func:`quota_array` and the torch form
+:func:`fixed_ratio_quota` give the same values for every count and ratio.
 """
 
 from __future__ import annotations
@@ -10,26 +15,35 @@ from heapq import heapify, heappop, heapreplace
 import numpy as np
 import torch
 
+QUOTA_EPS = 1e-6  # ε of q(ρ, c): keeps 0.1·30, a few ulps above 3 in floats, from becoming 4
 
-def quota_array(c: np.ndarray, rho: float) -> np.ndarray:
-    """The fixed-ratio quota of docs/design.md, vectorised in numpy (see selection.fixed_ratio_quota)."""
-    q = np.minimum(np.maximum(np.ceil(rho * c.astype(np.float64) - 1e-6), 1.0), c)
-    return np.where(c > 0, q, 0).astype(np.int64)
+
+def quota_float(rho: float, x: float) -> float:
+    """q(ρ, c) of one positive count as a float, ``x`` = float(c) (exact below 2⁵³).
+
+    The ceiling is taken as −⌊ε − ρ·x⌋: IEEE subtraction is sign-symmetric, fl(b − a) =
+    −fl(a − b), and ``y // 1.0`` is ⌊y⌋ exactly, so this is ⌈fl(fl(ρ·x) − ε)⌉ — numpy's and
+    torch's ceil of the same operations — without a call into math."""
+    q = -((QUOTA_EPS - rho * x) // 1.0)
+    return 1.0 if q < 1.0 else (x if q > x else q)
 
 
 def quota_of(c: int, rho: float) -> int:
-    """:func:`quota_array` of one count, in plain floats (the same IEEE operations, so the same value)."""
-    if c <= 0:
-        return 0
-    q = -(-(rho * float(c) - 1e-6) // 1.0)  # ceil, as a float like np.ceil
-    return int(min(max(q, 1.0), float(c)))
+    """q(ρ, c) of one count as an int (:func:`quota_float`; 0 where c ≤ 0)."""
+    return int(quota_float(rho, float(c))) if c > 0 else 0
+
+
+def quota_array(c: np.ndarray, rho: float) -> np.ndarray:
+    """q(ρ, c) of every count, vectorised in numpy: int64, the same IEEE operations as :func:`quota_float`."""
+    q = np.minimum(np.maximum(np.ceil(rho * c.astype(np.float64) - QUOTA_EPS), 1.0), c)
+    return np.where(c > 0, q, 0).astype(np.int64)
 
 
 def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float) -> torch.Tensor:
-    """q_e = min(c_e, max(1, ceil(ρ·c_e − 1e-6))) for c_e > 0, else 0 (float64; the epsilon
-    keeps 0.1·30 from becoming 4)."""
+    """q(ρ, c) of every count of ``counts_E`` at ρ = ``ratio``, in torch on the counts' device: int64,
+    the same float64 IEEE operations as :func:`quota_array` (ρ·c, − ε, ceil), so the same values."""
     c = counts_E.to(torch.float64)
-    q = torch.clamp(torch.ceil(ratio * c - 1e-6), min=1.0)
+    q = torch.clamp(torch.ceil(ratio * c - QUOTA_EPS), min=1.0)
     q = torch.minimum(q, c)
     return torch.where(counts_E > 0, q, torch.zeros_like(q)).to(torch.long)
 
@@ -42,7 +56,7 @@ def largest_ratio(c: np.ndarray, room: int) -> float:
     """Largest ρ in [0, 1] with Σ q(ρ, c_e) ≤ room; 0 if none: 1 itself, else the largest
     multiple of 2⁻⁵⁰ below 1 with Σ q ≤ room (what 50 halvings of [0, 1] settle on).
 
-    q is a step function of ρ: expert e's quota passes k at ρ = (k + 10⁻⁶) / c_e, so the answer
+    q is a step function of ρ: expert e's quota passes k at ρ = (k + ε) / c_e, so the answer
     sits just below the (room − n + 1)-th of those steps, found among the few near the solution
     of the piecewise-linear relaxation; the grid points around it are checked against the exact
     sum, and the bisection runs where that check fails."""
@@ -75,13 +89,11 @@ def fair_quotas(counts: list[int], floats: list[float], room: int) -> list[int]:
             above = rho + _GRID
             quotas = []
             at = up = 0.0
-            for x in floats:
-                q = -((1e-6 - rho * x) // 1.0)  # ceil(ρ·x − 1e-6): fl(b − a) = −fl(a − b)
-                q = 1.0 if q < 1.0 else (x if q > x else q)
+            for x in floats:  # partial sums are integers below 2⁵³: exact, in any order
+                q = quota_float(rho, x)
                 quotas.append(int(q))
                 at += q
-                q = -((1e-6 - above * x) // 1.0)
-                up += 1.0 if q < 1.0 else (x if q > x else q)
+                up += quota_float(above, x)
             if at <= room < up:
                 return quotas
     rho = _ratio_of(counts, room, floats)
@@ -135,10 +147,8 @@ def _sums(counts: list[float], rho: float, rho2: float) -> tuple[float, float]:
     operations (one pass for both)."""
     total = total2 = 0.0
     for x in counts:
-        q = -((1e-6 - rho * x) // 1.0)
-        total += 1.0 if q < 1.0 else (x if q > x else q)
-        q = -((1e-6 - rho2 * x) // 1.0)
-        total2 += 1.0 if q < 1.0 else (x if q > x else q)
+        total += quota_float(rho, x)
+        total2 += quota_float(rho2, x)
     return total, total2
 
 
@@ -146,8 +156,7 @@ def _fits(counts: list[float], rho: float, room: int) -> bool:
     """Σ_e quota_array(c_e, ρ) ≤ room over positive counts, in the same float operations."""
     total = 0.0
     for x in counts:
-        q = -((1e-6 - rho * x) // 1.0)  # ceil(ρ·x − 1e-6): fl(b − a) = −fl(a − b)
-        total += 1.0 if q < 1.0 else (x if q > x else q)
+        total += quota_float(rho, x)
     return total <= room
 
 
@@ -155,16 +164,15 @@ def _fits_exactly(counts: list[float], rho: float, room: int) -> bool:
     """:func:`_fits` summed as ints, for counts whose total reaches 2⁵³."""
     total = 0
     for x in counts:
-        q = -((1e-6 - rho * x) // 1.0)
-        total += 1 if q < 1.0 else int(x if q > x else q)
+        total += int(quota_float(rho, x))
     return total <= room
 
 
 def _step(counts: list[int], extra: int, total: int) -> float | None:
-    """The (extra + 1)-th smallest of the steps (k + 10⁻⁶) / c, 1 ≤ k < c, over the counts c
+    """The (extra + 1)-th smallest of the steps (k + ε) / c, 1 ≤ k < c, over the counts c
     (``total`` = Σ c); None if there are not that many.
 
-    Steps of c at or below ρ: k_c(ρ) = clip(⌊ρ·c − 10⁻⁶⌋, 0, c − 1), within ½ of ρ·c − ½ (10⁻⁶
+    Steps of c at or below ρ: k_c(ρ) = clip(⌊ρ·c − ε⌋, 0, c − 1), within ½ of ρ·c − ½ (ε
     aside) whether clipped or not. So at ρ₀ = (extra + 1 + n/2) / Σ c < 1 their number g lies
     within about n/2 of extra + 1 (usually within 1 or 2), and the wanted step is reached by
     walking |g − extra − 1| steps from ρ₀ in order — down through the largest steps at or below
@@ -176,30 +184,30 @@ def _step(counts: list[int], extra: int, total: int) -> float | None:
         return None
     want = extra + 1
     if n == 1:
-        return (want + 1e-6) / counts[0]
+        return (want + QUOTA_EPS) / counts[0]
     rho = (want + 0.5 * n) / total
-    ks = [int(rho * x - 1e-6) for x in counts]  # truncation is the floor here: ρ·x − 10⁻⁶ > −1
+    ks = [int(rho * x - QUOTA_EPS) for x in counts]  # truncation is the floor here: ρ·x − ε > −1
     d = sum(ks) - want
     if d >= 0:  # drop the d largest steps at or below ρ₀: the largest left is the one
         if not d:
-            return max([(k + 1e-6) / x for k, x in zip(ks, counts) if k])
-        heap = [(-(k + 1e-6) / x, k, x) for k, x in zip(ks, counts) if k]
+            return max([(k + QUOTA_EPS) / x for k, x in zip(ks, counts) if k])
+        heap = [(-(k + QUOTA_EPS) / x, k, x) for k, x in zip(ks, counts) if k]
         heapify(heap)
         for _ in range(d):
             _, k, x = heap[0]
             if k > 1:
-                heapreplace(heap, (-(k - 1 + 1e-6) / x, k - 1, x))
+                heapreplace(heap, (-(k - 1 + QUOTA_EPS) / x, k - 1, x))
             else:
                 heappop(heap)
         return -heap[0][0]
     if d == -1:  # the smallest step above ρ₀
-        return min([(k + 1 + 1e-6) / x for k, x in zip(ks, counts) if k + 1 < x])
-    heap = [((k + 1 + 1e-6) / x, k + 1, x) for k, x in zip(ks, counts) if k + 1 < x]
+        return min([(k + 1 + QUOTA_EPS) / x for k, x in zip(ks, counts) if k + 1 < x])
+    heap = [((k + 1 + QUOTA_EPS) / x, k + 1, x) for k, x in zip(ks, counts) if k + 1 < x]
     heapify(heap)
     for _ in range(-d - 1):  # take the smallest steps above ρ₀ until `want` are counted
         _, k, x = heap[0]
         if k + 1 < x:
-            heapreplace(heap, ((k + 1 + 1e-6) / x, k + 1, x))
+            heapreplace(heap, ((k + 1 + QUOTA_EPS) / x, k + 1, x))
         else:
             heappop(heap)
     return heap[0][0]
