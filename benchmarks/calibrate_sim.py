@@ -37,8 +37,8 @@ from lrmoe.config import BackwardConfig, MoEConfig
 from lrmoe.layer import MoELayer
 from lrmoe.sim.cost import layer_seconds
 from lrmoe.sim.hardware import CPU_CALIBRATION, Hardware
-from lrmoe.sim.models import ModelSpec
 from lrmoe.sim.layer_calls import SystemPlanner
+from lrmoe.sim.models import ModelSpec
 
 # (name, world, system, ratio, tokens per rank, D, F, E, K)
 FIT = [
