@@ -10,6 +10,8 @@ function decides what is saved, recomputed, or compacted; this module only does 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,23 +86,40 @@ def grouped_mm(
 
 
 def grouped_mm_wgrad(
-    a_RM: torch.Tensor, b_RN: torch.Tensor, counts_L: torch.Tensor, out: torch.Tensor | None = None
+    a_RM: torch.Tensor, b_RN: torch.Tensor, counts_L: torch.Tensor, out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
-    """Per-group reduction over rows: out[l] = a_lᵀ · b_l (a weight gradient), zeros if empty."""
+    """Per-group reduction over rows: out[l] = a_lᵀ · b_l (a weight gradient), zeros if empty.
+
+    ``accumulate``: added to what ``out`` holds (a chunked backward's partial sums), group by
+    group with no full-size temporary, so groups without rows keep their value."""
     L, M, N = counts_L.numel(), a_RM.shape[1], b_RN.shape[1]
-    if a_RM.shape[0] and _use_grouped_mm(a_RM.t(), b_RN, wgrad=True, into=out is not None):
+    if (a_RM.shape[0] and not accumulate
+            and _use_grouped_mm(a_RM.t(), b_RN, wgrad=True, into=out is not None)):
         res = _GROUPED_MM(a_RM.t(), b_RN, offs=_offsets(counts_L, a_RM.device))
         return res if out is None else out.copy_(res)
     if out is None:
         out = a_RM.new_empty(L, M, N)
     start = 0
     for l, n in enumerate(counts_L.tolist()):
-        if n:
+        if n and accumulate:
+            out[l].addmm_(a_RM[start : start + n].t(), b_RN[start : start + n])
+        elif n:
             torch.mm(a_RM[start : start + n].t(), b_RN[start : start + n], out=out[l])
-        else:
+        elif not accumulate:
             out[l].zero_()
         start += n
     return out
+
+
+def chunk_spans(counts_L: torch.Tensor, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Slot-major rows in chunks of ``chunk``: (first row, end row, rows of each slot in it)."""
+    ends = counts_L.cumsum(0)
+    starts = ends - counts_L
+    total = int(ends[-1]) if len(ends) else 0
+    for a in range(0, total, chunk):
+        b = min(a + chunk, total)
+        yield a, b, (ends.clamp(max=b) - starts.clamp(min=a)).clamp(min=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,12 +163,15 @@ def expert_backward(
     down_LDF: torch.Tensor,
     counts_L: torch.Tensor,
     acts: dict[str, torch.Tensor] | None = None,
+    grads: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`expert_forward` given dy (already multiplied by the routing weight).
 
     ``acts`` are the forward's saved activations; without them gate/up, silu and h are
     recomputed from x (recompute systems, LRMoE). ``acts`` and ``dy_RD`` are consumed: their
-    buffers are overwritten (dx is returned in dy's). Returns (dx_RD, dgate_up_L2FD, ddown_LDF).
+    buffers are overwritten (dx is returned in dy's). ``grads`` (dgate_up, ddown): the weight
+    gradients are added into these (a chunk of a chunked backward) instead of new tensors.
+    Returns (dx_RD, dgate_up_L2FD, ddown_LDF).
     """
     if acts is None:
         gate_RF, up_RF = gate_up_forward(x_RD, gate_up_L2FD, counts_L)
@@ -157,9 +179,11 @@ def expert_backward(
         h_RF = silu_RF * up_RF
     else:
         gate_RF, up_RF, silu_RF, h_RF = (acts.pop(k) for k in ("gate", "up", "silu", "h"))
+    add = grads is not None
+    dgate_up_L2FD, ddown_LDF = grads if add else (torch.empty_like(gate_up_L2FD), None)
     # Every intermediate is written over a buffer that is no longer needed: on CPU a fresh
     # large tensor costs page faults comparable to the elementwise op itself.
-    ddown_LDF = grouped_mm_wgrad(dy_RD, h_RF, counts_L)
+    ddown_LDF = grouped_mm_wgrad(dy_RD, h_RF, counts_L, out=ddown_LDF, accumulate=add)
     dh_RF = grouped_mm(dy_RD, down_LDF, counts_L, out=h_RF)
     dup_RF = silu_RF.mul_(dh_RF)
     # d gate = silu'(g) · (dh ⊙ up), with ATen's fused silu_backward written over the gate.
@@ -167,13 +191,30 @@ def expert_backward(
     dgate_RF = torch.ops.aten.silu_backward.grad_input(dh_RF, gate_RF, grad_input=gate_RF)
     del h_RF, dh_RF, silu_RF, up_RF
     w_gate, w_up = _halves(gate_up_L2FD)
-    dgate_up_L2FD = torch.empty_like(gate_up_L2FD)
     dw_gate, dw_up = _halves(dgate_up_L2FD)
-    grouped_mm_wgrad(dgate_RF, x_RD, counts_L, out=dw_gate)
-    grouped_mm_wgrad(dup_RF, x_RD, counts_L, out=dw_up)
+    grouped_mm_wgrad(dgate_RF, x_RD, counts_L, out=dw_gate, accumulate=add)
+    grouped_mm_wgrad(dup_RF, x_RD, counts_L, out=dw_up, accumulate=add)
     dx_RD = grouped_mm(dgate_RF, w_gate, counts_L, out=dy_RD)
     grouped_mm(dup_RF, w_up, counts_L, out=dx_RD, accumulate=True)
     return dx_RD, dgate_up_L2FD, ddown_LDF
+
+
+def expert_backward_chunked(
+    dy_RD: torch.Tensor, x_RD: torch.Tensor, gate_up_L2FD: torch.Tensor, down_LDF: torch.Tensor,
+    counts_L: torch.Tensor, chunk: int, order_R: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`expert_backward` recomputing ``chunk`` rows at a time: one chunk's activations live
+    at once (MemFine-style), the weight gradients summed over chunks in place. ``order_R``: dy
+    is in another order, slot-major row i being ``dy_RD[order_R[i]]``; each chunk's dy rows are
+    gathered through it and its dx written back in their place. dx is returned in dy's buffer
+    and order, as unchunked."""
+    dgate_up_L2FD, ddown_LDF = torch.zeros_like(gate_up_L2FD), torch.zeros_like(down_LDF)
+    for a, b, part_L in chunk_spans(counts_L, chunk):
+        dy = dy_RD[a:b] if order_R is None else dy_RD[order_R[a:b]]
+        dx = expert_backward(dy, x_RD[a:b], gate_up_L2FD, down_LDF, part_L, grads=(dgate_up_L2FD, ddown_LDF))[0]
+        if order_R is not None:
+            dy_RD[order_R[a:b]] = dx
+    return dy_RD, dgate_up_L2FD, ddown_LDF
 
 
 class GroupedExperts(nn.Module):

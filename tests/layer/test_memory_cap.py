@@ -2,8 +2,9 @@
 ``ClusterBudget(memory_bytes=M)`` each system's measured expert-side peak stays within M on
 every rank, call after call and step after step, or every rank raises the same
 ``MemoryBudgetExceeded`` before rows move; the planner's predicted peak is the measured one;
-replicated systems stay exact (equal to static) with fewer copies where the cap asks for it; a
-chunked forward within the cap is exact. (What the planner alone does under the cap:
+replicated systems stay exact (equal to static) with fewer copies where the cap asks for it; an
+exact system that cannot keep x and the activations keeps x alone and recomputes in chunks,
+still exact; a chunked forward and backward within the cap are exact. (What the planner alone does under the cap:
 tests/planning/test_memory_cap.py.)"""
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def cap_case(group, system: str, fraction: float):
                     for name, want in sgrads.items():
                         close(f"vs static {name}", grads[name], want, atol=1e-5)
                 records.append({k: s.get(k) for k in ("peak_expert_side_bytes", "predicted_peak_bytes",
-                                                      "memory_cap_bytes", "replica_slots")})
+                                                      "memory_cap_bytes", "replica_slots", "keep_mode",
+                                                      "fwd_chunk_rows", "bwd_chunk_rows", "recv_rows")})
             with torch.no_grad():  # an evaluation call: the forward alone, within the cap too
                 layer(x[lo:hi])
             e = dict(layer.last_stats)
@@ -108,7 +110,7 @@ def _check(res: list, system: str) -> str:
 # One cap per world size with one hot expert: below static's peak, where symi fits only with
 # fewer replicas than its default (2 ranks: 6 slots → 4 and 5; 4 ranks: 3 slots → some 2).
 FRACTION = {2: 0.9, 4: 0.7}
-MUST_FIT = {"symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capacity"}
+MUST_FIT = {"static", "static-recompute", "symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capacity"}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -116,9 +118,9 @@ MUST_FIT = {"symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capaci
 def test_every_system_within_the_cap_or_raises(pool, system, world):
     res = pool.run(world, cap_case, system, FRACTION[world])
     status = _check(res, system)
-    if system == "static":
-        assert status == "oom", "the cap is below static's peak"
-        assert "static-recompute" in res[0][2][3], "the message says what would help"
+    if system == "static":  # below its own peak: it keeps x alone on the hot rank, recomputing
+        assert status == "ok", res[0][2]
+        assert any(rec.get("keep_mode") == "x" for r in res for rec in r[2]), res[0][2]
     if system in MUST_FIT:
         assert status == "ok", f"{system} should fit: {res[0][2]}"
     if system == "symi":
@@ -127,15 +129,45 @@ def test_every_system_within_the_cap_or_raises(pool, system, world):
         assert any(s < d for s, d in zip(slots, default)), (slots, default)
 
 
+# The exact systems at half of static's peak, one hot expert: each fits by keeping x alone and
+# chunking its forward and backward (no replica needed), and stays equal to uncapped static.
+# (laer is not among them: its slices of every expert and their gradients, beside the experts
+# it assembles, are more than half of static's peak at this shape.)
+HALF = ["static", "static-recompute", "symi", "ultraep", "fastermoe"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("system", HALF)
+def test_exact_systems_fit_half_of_static_peak(pool, system, world):
+    res = pool.run(world, cap_case, system, 0.5)
+    assert _check(res, system) == "ok", res[0][2]
+    hot = max(range(world), key=lambda r: max(rec.get("recv_rows") or 0 for rec in res[r][2]))
+    train = [rec for rec in res[hot][2] if rec.get("keep_mode")]
+    assert all(rec["keep_mode"] == "x" for rec in train), train
+    assert any(rec["bwd_chunk_rows"] < rec["recv_rows"] for rec in train), "the hot rank's backward is chunked"
+
+
+def test_exact_system_refused_only_below_a_one_row_chunk(pool):
+    """static at a cap that x and dy of the hot rank's rows beside its experts do not fit even
+    with one-row chunks: every rank raises, and the message says it tried keeping x alone."""
+    res = pool.run(2, cap_case, "static", 0.3)
+    assert _check(res, "static") == "oom"
+    msg = res[0][2][3]
+    assert "x of every row kept to the backward, its forward and backward chunked" in msg, msg
+    assert "lrmoe" in msg, "the message names the system that trims"
+
+
 def test_laer_assembles_fewer_experts_within_the_cap(pool):
     res = pool.run(4, cap_case, "laer", 0.85)
     assert _check(res, "laer") == "ok"
 
 
-@pytest.mark.parametrize("system", ["masked", "static-recompute"])
-def test_chunked_forward_within_the_cap_is_exact(system):
-    """World size 1, a cap just below the unchunked forward's need: the forward runs in chunks
-    (masked: ‖h‖² beside every row) or, where chunks cannot help, the call is refused."""
+@pytest.mark.parametrize("system", ["masked", "static-recompute", "static"])
+def test_chunked_passes_within_the_cap_are_exact(system):
+    """World size 1, a cap just below the unchunked call's need: the forward runs in chunks
+    (masked: ‖h‖² beside every row), and where that is not enough the backward recomputes in
+    chunks too (static first keeps x alone); the measured peak is the predicted one, within the
+    cap, and the gradients equal the uncapped call's."""
     torch.manual_seed(0)
     cfg = MoEConfig(**CFG)
     sd, x, g = skewed_tokens(cfg, N, SEED, "hot")
@@ -147,15 +179,17 @@ def test_chunked_forward_within_the_cap_is_exact(system):
     layer = MoELayer(cfg, system=system, budget=ClusterBudget(memory_bytes=need - 1))
     layer.load_full_state_dict(sd)
     xs = x.clone().requires_grad_(True)
-    if system == "static-recompute":  # its backward recomputes every row at once: no chunk helps
-        with pytest.raises(MemoryBudgetExceeded):
-            layer(xs)
-        return
     out = layer(xs)
     out.backward(g)
     s = layer.last_stats
-    # only the forward's chunks differ from the unchunked call, whose peak is ``need``
     assert s["peak_expert_side_bytes"] == s["predicted_peak_bytes"] <= need - 1
+    rows = s["recv_rows"]
+    if system == "static":
+        assert s["keep_mode"] == "x"
+    if system in ("static-recompute", "static"):  # a recompute backward's peak is its recompute: chunked
+        assert s["bwd_chunk_rows"] < rows, s
+    else:
+        assert s["fwd_chunk_rows"] < rows and s["bwd_chunk_rows"] == rows, s
     close("dx", xs.grad, xf.grad)
     for name, p in layer.named_parameters():
         close(name, p.grad, dict(free.named_parameters())[name].grad)

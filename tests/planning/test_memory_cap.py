@@ -44,17 +44,18 @@ def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
     counts_SE = _counts_SE(world)
     cap = int(0.7 * _static_peak(world, counts_SE))
     default = LayerPlanner(spec_of("symi"), cfg, world).default_slots_R
-    # the default slots, fixed, cannot hold the call within the cap: every rank is told so
+    # the default slots, fixed, hold the call within the cap only by keeping x alone to the
+    # backward (recomputing the activations in chunks)
     fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=default))
-    with pytest.raises(MemoryBudgetExceeded, match="memory budget too small: rank") as err:
-        fixed.plan_call(counts_SE)
-    assert err.value.cap == cap and err.value.needed > cap
-    # derived from the cap: fewer copies, re-planned inside the call and then at every step
+    plan = fixed.plan_call(counts_SE)
+    assert plan.keep == "x" and max(plan.peak_R) <= cap and [len(s) for s in plan.placement.slots] == default
+    # derived from the cap: fewer copies first, keeping x and the activations (the richest way
+    # that fits), re-planned inside the call and then at every step
     planner = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap))
     for _ in range(3):
         plan = planner.plan_call(counts_SE)
         copies = [len(s) for s in plan.placement.slots]
-        assert max(plan.peak_R) <= cap
+        assert max(plan.peak_R) <= cap and plan.keep is None
         assert copies != default and all(2 <= c <= d for c, d in zip(copies, default)), copies
         assert plan.placement.num_copies > cfg.num_experts, "still replicates the hot expert"
         planner.step_end()
@@ -65,20 +66,29 @@ def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
     assert ample.slots_R == default
 
 
-def test_static_that_cannot_fit_raises_with_rank_need_and_cap():
+def test_static_keeps_x_alone_below_its_peak_and_raises_below_one_row_chunks():
     cfg = MoEConfig(**CFG)
     counts_SE = _counts_SE(2)
     need = _static_peak(2, counts_SE)
-    planner = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need - 1))
+    plan = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need)).plan_call(counts_SE)
+    assert plan.peak_R[0] == need and plan.keep is None and plan.bwd_chunk_rows_R is None
+    # just below: x alone is kept, the activations recomputed (the backward chunked if need be)
+    plan = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need - 1)).plan_call(counts_SE)
+    assert plan.keep == "x" and max(plan.peak_R) <= need - 1
+    assert plan.figures.keep_mode == "x"
+    # far below: not even one-row chunks fit beside x and dy of the rows and the owned experts
+    low = need // 3
     with pytest.raises(MemoryBudgetExceeded) as err:
-        planner.plan_call(counts_SE)
+        LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=low)).plan_call(counts_SE)
     e = err.value
-    assert isinstance(e, ValueError) and (e.rank, e.needed, e.cap) == (0, need, need - 1)
+    assert isinstance(e, ValueError) and e.cap == low and e.needed > low
     msg = str(e)
-    assert f"rank 0 needs {need} bytes" in msg and f"is {need - 1}" in msg
-    assert "x and activations" in msg and "static-recompute" in msg and "fewer tokens" in msg
-    assert LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need)).plan_call(
-        counts_SE).peak_R[0] == need
+    assert f"rank {e.rank} needs {e.needed} bytes" in msg and f"is {low}" in msg
+    assert "x of every row kept to the backward, its forward and backward chunked" in msg and "lrmoe" in msg
+    # the need it names is the least that fits: one-row chunks
+    at_need = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=e.needed)).plan_call(counts_SE)
+    assert at_need.keep == "x" and max(at_need.peak_R) <= e.needed
+    assert at_need.chunk_rows_R[e.rank] == 1 and at_need.bwd_chunk_rows_R[e.rank] == 1
     # a cap below the owned experts' parameters and gradients fails when the layer is built
     with pytest.raises(MemoryBudgetExceeded, match="experts it owns"):
         MoELayer(cfg, system="static-recompute", budget=ClusterBudget(memory_bytes=1000))

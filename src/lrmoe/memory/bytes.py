@@ -120,11 +120,20 @@ class Kept:
     acts: bool  # the four activations gate, up, silu(gate), h (never from a chunked forward)
 
 
+def spec_keep(spec: SystemSpec) -> str:
+    """What a system's expert side keeps from forward to backward when nothing forces less: a
+    full backward x and the activations, a recompute (or masked) one x, a compacting one nothing."""
+    if spec.saves_activations:
+        return KEEP_X_ACTS
+    return KEEP_X if spec.saves_rows else KEEP_NOTHING
+
+
 def kept_to_backward(spec: SystemSpec, keep: str | None, chunked: bool) -> Kept:
-    """The one rule (docs/design.md "Recompute"): a full backward keeps x and the activations, a
-    recompute backward x only, a compacting one what its call's ``keep`` mode says (nothing: home
-    re-sends the x rows of kept pairs; x; or x and the activations). A chunked forward never had
-    every row's activations at once, so it keeps none."""
-    keep = keep if spec.compacts else None
-    return Kept(rows=spec.saves_rows or keep in (KEEP_X, KEEP_X_ACTS),
-                acts=(spec.saves_activations or keep == KEEP_X_ACTS) and not chunked)
+    """The one rule (docs/design.md "Recompute"): a call keeps what its ``keep`` mode says (x and
+    the activations; x, gate/up/h recomputed in the backward; or nothing, home re-sending the x
+    rows of kept pairs), and with ``keep`` None what its system keeps (:func:`spec_keep`). A
+    capped call of an exact system may keep less than its system does (x instead of x and the
+    activations); a compacting call's mode comes from its controller. A chunked forward never
+    had every row's activations at once, so it keeps none."""
+    keep = spec_keep(spec) if keep is None else keep
+    return Kept(rows=keep in (KEEP_X, KEEP_X_ACTS), acts=keep == KEEP_X_ACTS and not chunked)

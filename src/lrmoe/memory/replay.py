@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lrmoe.memory.bytes import H_SQ_BYTES, KEEP_NOTHING, ByteModel, kept_to_backward
+from lrmoe.memory.bytes import H_SQ_BYTES, ByteModel, kept_to_backward
 from lrmoe.systems import SystemSpec, spec_of
 
 
@@ -23,7 +23,8 @@ class RankWork:
     replicas_anywhere: bool = False  # some rank holds a replica: gradients are reduced to owners (laer: always)
     sliced: int = 0  # laer: experts of which this rank holds a 1/world slice (and its gradient)
     backward: bool = True  # False: a forward-only call (nothing kept, no backward)
-    keep: str = KEEP_NOTHING  # a compacting backward's keep mode (KEEP_MODES); other systems: their spec's
+    keep: str | None = None  # what the expert side keeps (KEEP_MODES); None: what the system keeps
+    bwd_chunk_rows: int | None = None  # a recomputing backward works this many rows at a time; None: all at once
 
 
 class _Replay:
@@ -66,7 +67,9 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
       rows (x, then each saved activation) out of the forward's, dropping each full tensor after
       its gather (nothing to gather when every row is kept) — after dy, because a local
       selection's dy message is what says which rows are kept; then the four recomputed
-      activations unless saved, and the replica-gradient send buffer. The kept rows' positions
+      activations unless saved, and the replica-gradient send buffer. A chunked backward (an
+      exact one that recomputes) reads dy in its received order, so dy has no regrouped copy,
+      and holds one chunk's activations and gathered dy rows at a time. The kept rows' positions
       (4 bytes a row in dy's message) or the global selections' one byte per forward row are
       bookkeeping, like the row plans' indices, and not counted.
     """
@@ -108,7 +111,8 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
     kept = kept_to_backward(spec, work.keep, chunked)
     regroup = work.world > 1 and work.copies > 1
     acts_rows = Rf
-    replay.receive(Rb, row, regroup)  # dy
+    chunked_bwd = work.bwd_chunk_rows is not None and work.bwd_chunk_rows < Rb
+    replay.receive(Rb, row, regroup and not chunked_bwd)  # dy (a chunked backward reads it unregrouped)
     if spec.compacts and not kept.rows:
         replay.receive(Rb, row, regroup)  # x of the kept pairs, re-sent by their home ranks
     if spec.compacts and kept.rows and Rb < Rf:  # the kept rows gathered out of the saved ones
@@ -116,7 +120,10 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
         for size in [row] + ([acts_row // 4] * 4 if kept.acts else []):
             replay.reach(Rb * size)
             replay.now += (Rb - Rf) * size
-    replay.reach(0 if kept.acts else Rb * acts_row)
+    if chunked_bwd:  # one chunk's activations, and its dy rows gathered out of received order
+        replay.reach(work.bwd_chunk_rows * (acts_row + (row if regroup else 0)))
+    else:
+        replay.reach(0 if kept.acts else Rb * acts_row)
     if kept.acts:
         replay.now -= acts_rows * acts_row
     if work.replicas_anywhere:

@@ -15,12 +15,13 @@ from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.rows import RowLayout
 
 
-def to_experts(send_ND: torch.Tensor, layout: RowLayout, channel: Channel) -> torch.Tensor:
+def to_experts(send_ND: torch.Tensor, layout: RowLayout, channel: Channel, regroup: bool = True) -> torch.Tensor:
     """Send home rows (in ``layout.pair_idx`` order) to the experts; returns them received and
-    regrouped slot-major."""
+    regrouped slot-major (``regroup`` False: in received order, source by source, for a
+    consumer that reads them through ``layout.regroup_idx`` itself, with no second buffer)."""
     recv_RD = channel.all_to_all(send_ND, layout.send_splits, layout.recv_splits)
     channel.delivered(recv_RD)
-    if layout.regroup_idx is None:
+    if layout.regroup_idx is None or not regroup:
         return recv_RD
     rows_RD = recv_RD[comm.to_device(layout.regroup_idx, recv_RD.device)]
     channel.delivered(rows_RD)
@@ -28,9 +29,10 @@ def to_experts(send_ND: torch.Tensor, layout: RowLayout, channel: Channel) -> to
     return rows_RD
 
 
-def to_home(rows_RX: torch.Tensor, layout: RowLayout, channel: Channel) -> torch.Tensor:
-    """Inverse of :func:`to_experts`: slot-major expert rows back to their home ranks."""
-    if layout.regroup_idx is not None:
+def to_home(rows_RX: torch.Tensor, layout: RowLayout, channel: Channel, slot_major: bool = True) -> torch.Tensor:
+    """Inverse of :func:`to_experts`: slot-major expert rows (``slot_major`` False: rows in
+    received order) back to their home ranks."""
+    if layout.regroup_idx is not None and slot_major:
         back = torch.empty_like(rows_RX)
         back[comm.to_device(layout.regroup_idx, rows_RX.device)] = rows_RX
         rows_RX = back

@@ -14,7 +14,7 @@ import time
 import torch
 
 from lrmoe import experts
-from lrmoe.parallel import sharding
+from lrmoe.parallel import comm, sharding
 from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.dispatch import to_home
 from lrmoe.passes.record import CallRecord
@@ -57,16 +57,23 @@ def compute(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: 
     activations were not kept). Returns (dx rows, slot weight gradients)."""
     meter, saved = call.meter, call.saved
     acts, saved.acts = saved.acts, None
-    # The expert backward works in place (dh over h, d up over silu, d gate over gate, dx over
-    # dy), so its peak is the four (R, F) activations beside dy and x: already counted when
-    # saved, recomputed otherwise.
-    if acts is None:
-        meter.reach(4 * dy_RD.shape[0] * down.shape[2] * dy_RD.element_size())
-    else:
-        meter.drop(*acts.values())
     w_gu, w_down = saved.slot_weights or (gate_up, down)
     saved.slot_weights = None
-    return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, acts)
+    if acts is not None:
+        meter.drop(*acts.values())
+        return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, acts)
+    # The expert backward works in place (dh over h, d up over silu, d gate over gate, dx over
+    # dy), so its peak is the four (R, F) activations beside dy and x: already counted when
+    # saved, recomputed otherwise: for every row at once, or for one chunk's rows where the
+    # plan chunks this rank's backward.
+    # A chunked backward gathers each chunk's dy rows from their received order.
+    R, s = dy_RD.shape[0], dy_RD.element_size()
+    if rows.chunk is None:
+        meter.reach(4 * R * down.shape[2] * s)
+        return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts)
+    order = None if rows.dy_slot_major else comm.to_device(rows.layout.regroup_idx, dy_RD.device)
+    meter.reach(rows.chunk * (4 * down.shape[2] * s + (0 if order is None else dy_RD.shape[1] * s)))
+    return experts.expert_backward_chunked(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, rows.chunk, order)
 
 
 def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: torch.Tensor, ddown: torch.Tensor,
@@ -75,7 +82,7 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: torch.Tensor, ddo
     """dx rows home and summed per token; slot weight gradients reduced to the weights' owners
     (collectives). Returns (dx_TD, gradients of the owned gate_up and down)."""
     layer, plan, meter = call.layer, call.plan, call.meter
-    dx_home_ND = to_home(dx_RD, rows.layout, channel)
+    dx_home_ND = to_home(dx_RD, rows.layout, channel, slot_major=rows.dy_slot_major)
     dx_TD = torch.zeros_like(x_TD)
     dx_TD.index_add_(0, rows.layout.pair_idx // call.ids_TK.shape[1], dx_home_ND)
     if layer.spec.placement is PlacementKind.SHARDED:  # slot gradients summed into the slices' owners

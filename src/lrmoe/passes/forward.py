@@ -134,10 +134,7 @@ def _chunked(rows_RD: torch.Tensor, weights: SlotWeights, counts_L: torch.Tensor
     R = rows_RD.shape[0]
     y_RD = rows_RD.new_empty(R, weights.down.shape[1])
     h_sq = torch.empty(R, dtype=torch.float64, device=rows_RD.device) if want_h_sq else None
-    ends = counts_L.cumsum(0)
-    for a in range(0, R, chunk):
-        b = min(a + chunk, R)
-        part_L = (ends.clamp(max=b) - (ends - counts_L).clamp(min=a)).clamp(min=0)
+    for a, b, part_L in experts.chunk_spans(counts_L, chunk):
         y, acts = experts.expert_forward(rows_RD[a:b], weights.gate_up, weights.down, part_L)
         y_RD[a:b] = y
         if want_h_sq:

@@ -50,6 +50,21 @@ class BackwardRows:
     layout: RowLayout
     kept_pos_N: torch.Tensor | None = None  # kept rows' positions in their strata, riding with dy
     kept_rows: torch.Tensor | None = None  # kept rows among the saved ones, slot-major (None: all)
+    chunk: int | None = None  # rows recomputed at once where the plan chunks this rank's backward:
+    # dy then stays in received order, each chunk's rows read through the layout's regroup index
+    # and its dx written back in their place, so no slot-major copy of dy or dx is ever held
+
+    @property
+    def dy_slot_major(self) -> bool:
+        return self.chunk is None or self.layout.regroup_idx is None
+
+
+def backward_chunk(call: CallRecord) -> int | None:
+    """Rows this rank's backward recomputes at once where the plan chunks it (None: all at once)."""
+    chunk_R = call.plan.bwd_chunk_rows_R
+    if chunk_R is None or chunk_R[call.layer.rank] >= call.rows.recv_rows:
+        return None
+    return chunk_R[call.layer.rank]
 
 
 def _take_saved(call: CallRecord) -> torch.Tensor:
@@ -61,7 +76,7 @@ class ForwardRows:
     """The forward's layout; the expert side kept x (and, for a full backward, the activations)."""
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
-        return BackwardRows(call.rows)
+        return BackwardRows(call.rows, chunk=backward_chunk(call))
 
     def factor(self, factor_P: torch.Tensor, kept: Kept) -> torch.Tensor:
         """Per-row factor of dy = factor · g_t: the routing weight, times 1/π for sampled pairs."""
@@ -69,8 +84,8 @@ class ForwardRows:
 
     def dispatch(self, call: CallRecord, dy_ND: torch.Tensor, x_TD: torch.Tensor, rows: BackwardRows,
                  channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dy, x) rows at the expert side, slot-major."""
-        return to_experts(dy_ND, rows.layout, channel), _take_saved(call)
+        """(dy, x) rows at the expert side: x slot-major, dy too unless the backward is chunked."""
+        return to_experts(dy_ND, rows.layout, channel, regroup=rows.dy_slot_major), _take_saved(call)
 
 
 class MaskedRows(ForwardRows):

@@ -27,9 +27,10 @@ class CallPlan:
     fetch: bool  # the call placed new copies: fetch them before the forward (collective)
     figures: PlanFigures = field(default_factory=PlanFigures)
     peak_R: list[int] | None = None  # predicted expert-side peak per rank (a capped non-controller system)
-    keep: str | None = None  # a compacting training call: what its expert side keeps (memory.KEEP_MODES)
+    keep: str | None = None  # a training call: what its expert side keeps (KEEP_MODES; None: its system's)
     rule: Assignment = Assignment.OWNER  # the assignment rule, for the backward's kept pairs
     node_of: list[int] | None = None  # rank -> node, for a node-aware rule
+    bwd_chunk_rows_R: list[int] | None = None  # rows each rank's backward recomputes at once (None: all at once)
 
     @property
     def stats(self) -> dict:

@@ -7,11 +7,13 @@ the fitter returns (docs/design.md "The paper's regime"; the rules in :mod:`lrmo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
 from lrmoe.errors import MemoryBudgetExceeded
+from lrmoe.memory.bytes import KEEP_X, KEEP_X_ACTS, kept_to_backward, spec_keep
 from lrmoe.memory.replay import RankWork
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.peaks import Fit, RankPeaks
@@ -21,6 +23,7 @@ from lrmoe.systems import TRIMMING_SYSTEM, Assignment, BackwardKind, PlacementKi
 RECOMPUTING = names_where(backward=BackwardKind.RECOMPUTE)[0]  # static placement, expert activations recomputed
 
 Assign = Callable[[torch.Tensor, Placement, "list[int] | None"], PairAssignment]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,16 @@ class CapFitter:
     @property
     def memory_R(self) -> list[int]:
         return self.peaks.memory_R
+
+    def keeping(self, keep: str) -> CapFitter:
+        """This fitter for plans that keep ``keep`` from forward to backward."""
+        return replace(self, peaks=replace(self.peaks, keep=keep))
+
+    def with_fallbacks(self) -> list[CapFitter]:
+        """This fitter, then those of the exact ways to keep less: a system that keeps x and the
+        activations may keep x alone, recomputing them in a (chunked) backward, and chunk its
+        forward. Richest first: a cap a richer plan fits never pays for recomputation."""
+        return [self] + ([self.keeping(KEEP_X)] if spec_keep(self.peaks.spec) == KEEP_X_ACTS else [])
 
     def fit(self, forward_SE: torch.Tensor, placement: Placement, training: bool) -> Fit:
         """The call under ``placement``: the system's own assignment, or, where that does not
@@ -93,12 +106,15 @@ class CapFitter:
         best = min(failed, key=lambda f: max(p - m for p, m in zip(f.peak_R, M)))
         r = max(range(self.peaks.world), key=lambda r: (best.peak_R[r] - M[r], -r))
         rows = best.assignment.rows_R()[r]
-        kept = ("x and activations of every row kept to the backward" if spec.saves_activations
-                else "x of every row kept to the backward")
+        keeps = kept_to_backward(spec, self.peaks.keep, chunked=False)
+        kept = ("x and activations of every row kept to the backward" if keeps.acts
+                else "x of every row kept to the backward, its forward and backward chunked")
         helps = "a larger cap or fewer tokens per call would help"
-        if spec.saves_activations:
+        if keeps.acts:
             helps += (f", or a system that keeps less to the backward ({RECOMPUTING}: rows only; "
                       f"{TRIMMING_SYSTEM}: nothing)")
+        else:
+            helps += f", or a system that trims its backward ({TRIMMING_SYSTEM})"
         tried = "no plan with fewer expert copies fits either; " if self.varies_copies else ""
         return MemoryBudgetExceeded(
             r, best.peak_R[r], M[r],
@@ -115,3 +131,14 @@ class CapFitter:
             if need > self.memory_R[r]:
                 raise MemoryBudgetExceeded(r, need, self.memory_R[r], "a larger cap or more ranks would help",
                                            "the experts it owns (parameters and gradients)")
+
+
+def first_that_fits(fitters: list[CapFitter], attempt: Callable[[CapFitter], T]) -> T:
+    """``attempt`` by each fitter in turn (:meth:`CapFitter.with_fallbacks`: richest keep first):
+    the first result that does not raise :class:`MemoryBudgetExceeded`, else the last one's error."""
+    for fitter in fitters[:-1]:
+        try:
+            return attempt(fitter)
+        except MemoryBudgetExceeded:
+            pass
+    return attempt(fitters[-1])

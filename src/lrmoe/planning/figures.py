@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lrmoe.planning.peaks import Fit
 
 
 @dataclass(frozen=True)
@@ -13,10 +17,26 @@ class PlanFigures:
     shadowed_experts: int | None = None  # experts broadcast to every rank this call
     assembled_experts: int | None = None  # expert copies assembled from slices this call
     replanned_in_call: bool | None = None  # the replicas were re-planned because the forward did not fit
-    keep_mode: str | None = None  # a compacting training call: what its expert side keeps
+    keep_mode: str | None = None  # a training call: what its expert side keeps to the backward
     replica_slots: int | None = None  # expert copies this rank holds in the call
     memory_cap_bytes: int | None = None  # this rank's cap (ClusterBudget.memory_bytes)
     predicted_peak_bytes: int | None = None  # this rank's predicted peak (a capped non-controller system)
+    fwd_chunk_rows: int | None = None  # a capped call: rows this rank's forward computes at once
+    bwd_chunk_rows: int | None = None  # a capped call: rows this rank's backward recomputes at once
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def cap_figures(fit: Fit, memory_R: list[int] | None, rank: int, exact_backward: bool) -> dict:
+    """A capped call's :class:`PlanFigures` fields: this rank's cap, predicted peak and the rows
+    its forward and (``exact_backward``: an exact training call's) backward compute at once, all
+    its rows where not chunked; none without a cap. A compacting backward's rows are its kept ones."""
+    if memory_R is None:
+        return {}
+    rows = int(fit.assignment.rows_R()[rank]) if fit.chunk_rows_R is None or fit.bwd_chunk_rows_R is None else 0
+    bwd = rows if fit.bwd_chunk_rows_R is None else fit.bwd_chunk_rows_R[rank]
+    return {"memory_cap_bytes": memory_R[rank],
+            "predicted_peak_bytes": None if fit.peak_R is None else fit.peak_R[rank],
+            "fwd_chunk_rows": rows if fit.chunk_rows_R is None else fit.chunk_rows_R[rank],
+            "bwd_chunk_rows": bwd if exact_backward else None}

@@ -5,12 +5,13 @@ compacting backward chooses what its expert side keeps with it (:func:`keep_mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from lrmoe.config import MoEConfig
-from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, position_bytes
+from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, kept_to_backward, position_bytes
 from lrmoe.memory.replay import RankWork, expert_side_peak
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
@@ -23,19 +24,24 @@ class Fit:
 
     placement: Placement
     assignment: PairAssignment
-    chunk_rows_R: list[int]
-    peak_R: list[int]
+    chunk_rows_R: list[int] | None  # forward rows each rank computes at once (None: all)
+    peak_R: list[int] | None
     ok: bool  # every rank within its cap
+    bwd_chunk_rows_R: list[int] | None = None  # backward rows each rank recomputes at once (None: all)
+    keep: str | None = None  # what the expert side keeps (None: what the system keeps)
 
 
 @dataclass(frozen=True)
 class RankPeaks:
-    """Predicted peaks of one layer's ranks under their caps ``memory_R``."""
+    """Predicted peaks of one layer's ranks under their caps ``memory_R``, keeping ``keep`` from
+    forward to backward (None: what the system keeps; an exact system may keep x alone instead
+    of x and the activations, recomputing them in the backward)."""
 
     spec: SystemSpec
     config: MoEConfig
     world: int
     memory_R: list[int]
+    keep: str | None = None
 
     @property
     def bytes(self) -> ByteModel:
@@ -43,45 +49,68 @@ class RankPeaks:
 
     @property
     def chunks(self) -> bool:
-        """The forward may be chunked: the system keeps no activations to the backward."""
-        return not self.spec.saves_activations
+        """The forward may be chunked: the call keeps no activations to the backward."""
+        return not kept_to_backward(self.spec, self.keep, chunked=False).acts
 
-    def work(self, placement: Placement, r: int, rows: int, training: bool, chunk: int | None = None) -> RankWork:
+    @property
+    def backward_chunks(self) -> bool:
+        """The backward may recompute in chunks: an exact backward that recomputes its activations
+        (a compacting one's rows are its selection's, planned by its controller)."""
+        return self.chunks and not self.spec.compacts
+
+    def work(self, placement: Placement, r: int, rows: int, training: bool, chunk: int | None = None,
+             bwd_chunk: int | None = None) -> RankWork:
         """What rank r's expert side handles computing ``rows`` rows under ``placement`` (the
         backward of these systems carries the forward's rows)."""
         sharded = self.spec.placement is PlacementKind.SHARDED
         E = self.config.num_experts
         owned = 0 if sharded else len(placement.owned(r))
         return RankWork(rows, rows if training else 0, len(placement.slots[r]), owned, chunk, self.world,
-                        sharded or placement.num_copies > E, E if sharded else 0, training)
+                        sharded or placement.num_copies > E, E if sharded else 0, training, self.keep, bwd_chunk)
 
     def peak(self, work: RankWork) -> int:
         return expert_side_peak(self.spec, self.config.dim, self.config.ffn_dim, self.bytes.dtype_bytes, work)
 
-    def rank_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int]:
-        """(chunk rows, predicted peak) of rank r computing ``rows`` rows: all at once where that
-        fits, else the largest chunk that does; the peak is over the cap where nothing fits."""
-        cap = self.memory_R[r]
-        peak = self.peak(self.work(placement, r, rows, training))
-        if peak <= cap or not self.chunks or rows <= 1:
-            return max(rows, 1), peak
-        lo, hi = 1, rows - 1  # the largest chunk within the cap, if chunks of one row are
-        if self.peak(self.work(placement, r, rows, training, lo)) > cap:
-            return lo, self.peak(self.work(placement, r, rows, training, lo))
+    def _largest(self, peak_of: Callable[[int], int], rows: int, cap: int) -> tuple[int, int]:
+        """(the largest chunk below ``rows`` whose peak fits ``cap``, its peak); one row and its
+        peak where none does."""
+        lo, hi = 1, rows - 1
+        if peak_of(lo) > cap:
+            return lo, peak_of(lo)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.peak(self.work(placement, r, rows, training, mid)) <= cap:
+            if peak_of(mid) <= cap:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo, self.peak(self.work(placement, r, rows, training, lo))
+        return lo, peak_of(lo)
+
+    def rank_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int | None, int]:
+        """(forward chunk rows, backward chunk rows or None, predicted peak) of rank r computing
+        ``rows`` rows: all at once where that fits, else the largest forward chunk that does,
+        else (a recomputing backward) the backward recomputed in the largest chunk that fits
+        beside a one-row forward chunk, then the largest forward chunk beside it. The peak is
+        over the cap where nothing fits."""
+        cap = self.memory_R[r]
+        peak = self.peak(self.work(placement, r, rows, training))
+        if peak <= cap or not self.chunks or rows <= 1:
+            return max(rows, 1), None, peak
+        chunk, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, training, c)), rows, cap)
+        if peak <= cap or not (training and self.backward_chunks):
+            return chunk, None, peak
+        bwd, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, True, 1, c)), rows, cap)
+        if peak > cap:
+            return 1, 1, peak
+        chunk, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, True, c, bwd)), rows, cap)
+        return chunk, bwd, peak
 
     def rows_within(self, placement: Placement, r: int, training: bool) -> int:
         """Most rows rank r can compute within its cap under ``placement`` (chunked if need be)."""
         chunk = 1 if self.chunks else None
+        bwd_chunk = 1 if training and self.backward_chunks else None
 
         def fits(n: int) -> bool:
-            return self.peak(self.work(placement, r, n, training, chunk)) <= self.memory_R[r]
+            return self.peak(self.work(placement, r, n, training, chunk, bwd_chunk)) <= self.memory_R[r]
 
         if not fits(0):
             return 0
@@ -92,11 +121,12 @@ class RankPeaks:
         return lo
 
     def measure(self, placement: Placement, assignment: PairAssignment, training: bool) -> Fit:
-        """Every rank's chunk and peak under ``assignment``, and whether all fit."""
+        """Every rank's chunks and peak under ``assignment``, and whether all fit."""
         recv_R = assignment.rows_R()
-        chunk_R, peak_R = zip(*(self.rank_fit(placement, r, int(n), training) for r, n in enumerate(recv_R)))
+        chunk_R, bwd_R, peak_R = zip(*(self.rank_fit(placement, r, int(n), training) for r, n in enumerate(recv_R)))
         ok = all(p <= m for p, m in zip(peak_R, self.memory_R))
-        return Fit(placement, assignment, list(chunk_R), list(peak_R), ok)
+        bwd = None if all(b is None for b in bwd_R) else [int(n) if b is None else b for b, n in zip(bwd_R, recv_R)]
+        return Fit(placement, assignment, list(chunk_R), list(peak_R), ok, bwd, self.keep)
 
 
 def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,

@@ -8,25 +8,11 @@ counts, and the layer and the simulator drive the same object. The spec says wha
 where copies live, the assignment rule (:mod:`lrmoe.planning.pair_rules`) which copy computes
 which pairs; the planner decides when (between steps, or per call).
 
-Under a memory cap (``ClusterBudget(memory_bytes=M)``) every system lives within M by the one
-byte model (docs/design.md "The paper's regime"). ``lrmoe`` plans through its controller
-(:mod:`lrmoe.planning.controller`; its replica count: :mod:`lrmoe.planning.replica_search`). For
-every other system a :class:`~lrmoe.planning.cap_fit.CapFitter` predicts each rank's peak from
-the call's plan (:mod:`lrmoe.planning.peaks`, the layer's meter replayed on numbers) before any
-row moves, and the planner adopts the plan it finds:
-
-- a rank whose rows do not fit at once computes its forward in the largest chunks that do,
-  where the system keeps no activations to the backward (static and capacity keep them, so
-  their rows and activations must fit whole);
-- replicated systems spread pairs min-peak within each rank's room where the unbounded spread
-  does not fit, and hold the most copies that fit, never more than their unconstrained default
-  and never fewer than their owned experts: one slot at a time is taken from the rank furthest
-  over the cap, re-planning each time, until a plan fits. Per-step planners choose their slots
-  at every re-plan against the last call's rows, and re-plan inside a training call that does
-  not fit (its copies fetched before rows move); per-call planners choose for each call
-  (ultraep replicas, laer assembled experts; fastermoe drops its least-loaded shadows first).
-  Fixed ``ClusterBudget.slots`` are kept as given;
-- where nothing fits, every rank raises the same :class:`~lrmoe.errors.MemoryBudgetExceeded`.
+Under a memory cap (``ClusterBudget(memory_bytes=M)``; docs/systems.md "Under a memory cap")
+``lrmoe`` plans through its controller (:mod:`lrmoe.planning.controller`); every other system's
+calls are fitted by a :class:`~lrmoe.planning.cap_fit.CapFitter` from each rank's predicted peak
+(:mod:`lrmoe.planning.peaks`): the most copies keeping what the system keeps, else keeping x
+alone, chunked. Where nothing fits, every rank raises the same ``MemoryBudgetExceeded``.
 """
 
 from __future__ import annotations
@@ -38,14 +24,14 @@ import torch
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.memory.bytes import ByteModel
+from lrmoe.memory.bytes import ByteModel, spec_keep
 from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.call_plan import CallPlan
-from lrmoe.planning.cap_fit import CapFitter
+from lrmoe.planning.cap_fit import CapFitter, first_that_fits
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.cost import CostModel
-from lrmoe.planning.figures import PlanFigures
+from lrmoe.planning.figures import PlanFigures, cap_figures
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.peaks import Fit, RankPeaks
 from lrmoe.planning.placement import Placement
@@ -92,6 +78,7 @@ class LayerPlanner:
             self.fitter = CapFitter(self.peaks, self.assign, self.base, self.fixed_slots_R is not None,
                                     self.default_slots_R is not None or self.strategy.varies_copies)
             self.fitter.check_owned()
+        self.fitters = [] if self.fitter is None else self.fitter.with_fallbacks()  # richest keep first
         self.search = None if self.controller is None else ReplicaCountSearch(
             self.base, self.controller, self.costs, self.bytes.slot_params, replan_interval, self.assign)
         if self.keeps_replicas:
@@ -125,7 +112,10 @@ class LayerPlanner:
         slots (up to the default) whose plan fits the last call's rows."""
         self.strategy.before_replan()
         if self.fitter is not None and self.fixed_slots_R is None and self._last_SE is not None:
-            found = self.fitter.search_slots(self._step_placement, self.default_slots_R, self._last_SE, True)
+            for fitter in self.fitters:
+                found = fitter.search_slots(self._step_placement, self.default_slots_R, self._last_SE, True)
+                if found.fit is not None:
+                    break
             self.slots_R = found.slots
             self._adopt(found.fit.placement if found.fit is not None else self._step_placement(self.slots_R))
         elif self.search is not None and self.fixed_slots_R is None:
@@ -147,7 +137,7 @@ class LayerPlanner:
     def _may_replan_in_call(self, training: bool) -> bool:
         return training and self.keeps_replicas and self.fixed_slots_R is None  # (fixed slots stay as given)
 
-    def _replan_in_call(self, forward_SE: torch.Tensor, failed: list[Fit]) -> Fit:
+    def _replan_in_call(self, forward_SE: torch.Tensor, failed: list[Fit], fitter: CapFitter | None = None) -> Fit:
         """The one re-plan inside a training call whose forward does not fit the replicas of the
         last step: the replicas re-planned by this call's rows (lrmoe: its replica-count search
         over every candidate; the others: the most slots that fit), adopted, and the call fitted
@@ -158,9 +148,9 @@ class LayerPlanner:
             assignment, chunks = self.controller.fit_forward(
                 forward_SE, self.placement, self.assign(forward_SE, self.placement), self.assign)
             return Fit(self.placement, assignment, chunks, None, True)
-        found = self.fitter.search_slots(self._step_placement, self.default_slots_R, forward_SE, True)
+        found = fitter.search_slots(self._step_placement, self.default_slots_R, forward_SE, True)
         if found.fit is None:
-            raise self.fitter.exceeded(failed + found.failed)
+            raise fitter.exceeded(failed + found.failed)
         self.slots_R = found.slots
         self._adopt(found.fit.placement)
         return found.fit
@@ -225,27 +215,35 @@ class LayerPlanner:
             quota_E = self.quotas(counts_SE.sum(0), placement, kept_capacity_R)
         if self.spec.compacts and training:
             keep = self._keep_mode(placement, fit.assignment, fit.chunk_rows_R, quota_E)
-        figures = replace(figures, keep_mode=keep, replica_slots=len(placement.slots[self.rank]),
-                          memory_cap_bytes=None if self.memory_R is None else self.memory_R[self.rank],
-                          predicted_peak_bytes=None if fit.peak_R is None else fit.peak_R[self.rank])
+        elif training:
+            keep = fit.keep  # an exact system's: None unless the cap made it keep less
+        capped = cap_figures(fit, self.memory_R, self.rank, training and not self.spec.compacts)
+        figures = replace(figures, keep_mode=(keep or spec_keep(self.spec)) if training else None,
+                          replica_slots=len(placement.slots[self.rank]), **capped)
         fetch = self.spec.placement is PlacementKind.PER_CALL or replanned
         return CallPlan(placement, counts_SE, forward_SE, fit.assignment, fit.chunk_rows_R, kept_capacity_R, quota_E,
-                        fetch, figures, fit.peak_R, keep, self.spec.assignment, self.node_of)
+                        fetch, figures, fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R)
 
     def _fit_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
                   ) -> tuple[Fit, PlanFigures, bool]:
         """A capped call's plan within the cap: (plan, its figures, whether a per-step placement
-        was re-planned inside the call). Raises :class:`MemoryBudgetExceeded` where none fits."""
+        was re-planned inside the call), by the richest way of keeping to the backward that fits.
+        Raises :class:`MemoryBudgetExceeded` where none fits: the error of the leanest way."""
+        return first_that_fits(self.fitters, lambda fitter: self._fit_with(fitter, counts_SE, forward_SE, training))
+
+    def _fit_with(self, fitter: CapFitter, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
+                  ) -> tuple[Fit, PlanFigures, bool]:
+        """:meth:`_fit_call` by one fitter (pure until it returns)."""
         if self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED):
-            fit, figures = self.strategy.fit_call(counts_SE, self.slots_R, self.fitter, forward_SE, training)
+            fit, figures = self.strategy.fit_call(counts_SE, self.slots_R, fitter, forward_SE, training)
             self.placement = fit.placement
             return fit, figures, False
-        fit = self.fitter.fit(forward_SE, self.placement, training)
+        fit = fitter.fit(forward_SE, self.placement, training)
         if fit.ok:
             return fit, PlanFigures(), False
         if not self._may_replan_in_call(training):
-            raise self.fitter.exceeded([fit])
-        return self._replan_in_call(forward_SE, [fit]), PlanFigures(replanned_in_call=True), True
+            raise fitter.exceeded([fit])
+        return self._replan_in_call(forward_SE, [fit], fitter), PlanFigures(replanned_in_call=True), True
 
     def _free_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
                    ) -> tuple[Fit, PlanFigures, bool]:

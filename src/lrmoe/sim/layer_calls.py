@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from lrmoe.config import LOCAL_SELECTIONS, BackwardConfig, ClusterBudget, MoEConfig
-from lrmoe.memory import KEEP_NOTHING, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.memory import KEEP_NOTHING, RankWork, expert_side_peak, kept_to_backward
 from lrmoe.planning.planner import LayerPlanner
 from lrmoe.selection.strata import largest_remainder
 from lrmoe.sim.errors import SimError
@@ -135,7 +135,7 @@ class SystemPlanner:
         score_R = np.zeros(W, np.int64)
         if fwd_quota_E is not None:  # capacity: a global score exchange in the forward
             score_R = torch.minimum(counts_SE, fwd_quota_E.view(1, cfg.num_experts)).sum(1).numpy()
-        keep = plan.keep if spec.compacts else None
+        keep = plan.keep  # None: what the system keeps
         local = spec.selective and self.selection in LOCAL_SELECTIONS
         bwd_SR, kept, live_bwd = fwd_SR, int(plan.forward_SE.sum()), 0.0
         if plan.quota_E is not None:
@@ -149,10 +149,10 @@ class SystemPlanner:
             refresh_SR=_refreshes(plan.placement), kept_pairs=kept, total_pairs=int(counts_SE.sum()), host_s=0.0,
             peak_R=np.zeros(W, np.int64), kept_bytes_R=np.zeros(W, np.int64),
             tokens_per_rank=int(counts_SE.sum()) // cfg.top_k // W, keep=keep,
-            recomputes=spec.recomputes and keep != KEEP_X_ACTS, resends_x=keep == KEEP_NOTHING,
+            recomputes=not kept_to_backward(spec, keep, chunked=False).acts, resends_x=keep == KEEP_NOTHING,
             count_gather=spec.selective and not local, positions=local and keep not in (None, KEEP_NOTHING),
         )
-        call = replace(call, **self._memory(call, plan.chunk_rows_R, s))
+        call = replace(call, **self._memory(call, plan.chunk_rows_R, plan.bwd_chunk_rows_R, s))
         return self._end_step(call, calls, live + live_bwd)
 
     def _backward_rows(self, plan, counts_SE: torch.Tensor, fwd_SR: np.ndarray, keep: str | None, local: bool,
@@ -173,15 +173,17 @@ class SystemPlanner:
         # computed where the forward computed them (the forward's assignment restricted)
         return plan.assignment.restricted(kept_SE).rows_SR().numpy(), kept, live
 
-    def _memory(self, call: LayerCall, chunk_rows_R: list[int] | None, s: int) -> dict:
+    def _memory(self, call: LayerCall, chunk_rows_R: list[int] | None, bwd_chunk_rows_R: list[int] | None,
+                s: int) -> dict:
         """Every rank's expert-side peak and the bytes it keeps from forward to backward."""
         spec, cfg, W = self.planner.spec, self.config, self.world
         recv_R, chunk_rows = call.fwd_SR.sum(0), chunk_rows_R or [None] * W
+        bwd_chunks = bwd_chunk_rows_R or [None] * W
         replicas_anywhere = int(call.copies_R.sum()) > cfg.num_experts
         peak_R = np.array([
             expert_side_peak(spec, cfg.dim, cfg.ffn_dim, s, RankWork(
                 int(recv_R[r]), int(call.bwd_SR[:, r].sum()), int(call.copies_R[r]), int(call.owned_R[r]),
-                chunk_rows[r], W, replicas_anywhere, keep=call.keep or KEEP_NOTHING))
+                chunk_rows[r], W, replicas_anywhere, keep=call.keep, bwd_chunk_rows=bwd_chunks[r]))
             for r in range(W)])
         kept_bytes_R = np.array([kept_between_passes(spec, cfg.dim, cfg.ffn_dim, s, int(recv_R[r]), call.keep,
                                                      chunk_rows[r] is not None and chunk_rows[r] < recv_R[r])
