@@ -55,16 +55,44 @@ def _offsets(counts_L: torch.Tensor, device: torch.device) -> torch.Tensor:
     return to_device(counts_L.cumsum(0).to(torch.int32), device)
 
 
+Slots = torch.Tensor | tuple[torch.Tensor, ...]  # (L, ·, ·) slot weights, or several sets one after another
+
+
+def _segments(counts_L: torch.Tensor, sets: tuple[torch.Tensor, ...]) -> list[tuple[int, int, torch.Tensor]]:
+    """(first row, end row, counts of its slots) of each weight set's rows, slot-major."""
+    out, l0, r0 = [], 0, 0
+    for w in sets:
+        c = counts_L[l0 : l0 + w.shape[0]]
+        n = int(c.sum())
+        out.append((r0, r0 + n, c))
+        l0, r0 = l0 + w.shape[0], r0 + n
+    return out
+
+
 def grouped_mm(
     a_RK: torch.Tensor,
-    b_LKN: torch.Tensor,
+    b_LKN: Slots,
     counts_L: torch.Tensor,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
     """Row-grouped product: rows of group l (``counts_L[l]`` consecutive rows) times ``b_LKN[l]``.
 
-    ``out`` receives the result (``accumulate``: added to what it holds)."""
+    ``b_LKN`` may be several weight sets (the owned experts' parameters, then the replicas'
+    buffers): their slots follow one another, each set's rows are multiplied by it, and the
+    sets are never concatenated (no second copy of the owned weights). ``out`` receives the
+    result (``accumulate``: added to what it holds)."""
+    if isinstance(b_LKN, torch.Tensor):
+        return _grouped_mm(a_RK, b_LKN, counts_L, out, accumulate)
+    if out is None:
+        out = a_RK.new_empty(a_RK.shape[0], b_LKN[0].shape[-1])
+    for (r0, r1, c), b in zip(_segments(counts_L, b_LKN), b_LKN):
+        _grouped_mm(a_RK[r0:r1], b, c, out[r0:r1], accumulate)
+    return out
+
+
+def _grouped_mm(a_RK: torch.Tensor, b_LKN: torch.Tensor, counts_L: torch.Tensor, out: torch.Tensor | None,
+                accumulate: bool) -> torch.Tensor:
     R, N = a_RK.shape[0], b_LKN.shape[-1]
     if R and _use_grouped_mm(a_RK, b_LKN, wgrad=False, into=out is not None):
         res = _GROUPED_MM(a_RK, b_LKN, offs=_offsets(counts_L, a_RK.device))
@@ -86,13 +114,23 @@ def grouped_mm(
 
 
 def grouped_mm_wgrad(
-    a_RM: torch.Tensor, b_RN: torch.Tensor, counts_L: torch.Tensor, out: torch.Tensor | None = None,
+    a_RM: torch.Tensor, b_RN: torch.Tensor, counts_L: torch.Tensor, out: Slots | None = None,
     accumulate: bool = False,
-) -> torch.Tensor:
+) -> Slots:
     """Per-group reduction over rows: out[l] = a_lᵀ · b_l (a weight gradient), zeros if empty.
 
+    ``out`` several sets (:func:`grouped_mm`'s): each set's gradients from its rows.
     ``accumulate``: added to what ``out`` holds (a chunked backward's partial sums), group by
     group with no full-size temporary, so groups without rows keep their value."""
+    if isinstance(out, tuple):
+        for (r0, r1, c), o in zip(_segments(counts_L, out), out):
+            _grouped_mm_wgrad(a_RM[r0:r1], b_RN[r0:r1], c, o, accumulate)
+        return out
+    return _grouped_mm_wgrad(a_RM, b_RN, counts_L, out, accumulate)
+
+
+def _grouped_mm_wgrad(a_RM: torch.Tensor, b_RN: torch.Tensor, counts_L: torch.Tensor, out: torch.Tensor | None,
+                      accumulate: bool) -> torch.Tensor:
     L, M, N = counts_L.numel(), a_RM.shape[1], b_RN.shape[1]
     if (a_RM.shape[0] and not accumulate
             and _use_grouped_mm(a_RM.t(), b_RN, wgrad=True, into=out is not None)):
@@ -130,41 +168,52 @@ def chunk_spans(counts_L: torch.Tensor, chunk: int) -> Iterator[tuple[int, int, 
 # --------------------------------------------------------------------------------------------
 
 
-def _halves(gate_up_L2FD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    F_ = gate_up_L2FD.shape[1] // 2
-    return gate_up_L2FD[:, :F_], gate_up_L2FD[:, F_:]
+def _each(fn, w: Slots) -> Slots:
+    """``fn`` of a weight tensor, or of each of several sets."""
+    return fn(w) if isinstance(w, torch.Tensor) else tuple(fn(x) for x in w)
+
+
+def _halves(gate_up_L2FD: Slots) -> tuple[Slots, Slots]:
+    """(gate, up) rows of the fused weights (of each set)."""
+    F_ = (gate_up_L2FD if isinstance(gate_up_L2FD, torch.Tensor) else gate_up_L2FD[0]).shape[1] // 2
+    return _each(lambda w: w[:, :F_], gate_up_L2FD), _each(lambda w: w[:, F_:], gate_up_L2FD)
+
+
+def _transposed(w: Slots) -> Slots:
+    return _each(lambda x: x.transpose(-2, -1), w)
 
 
 def gate_up_forward(
-    x_RD: torch.Tensor, gate_up_L2FD: torch.Tensor, counts_L: torch.Tensor
+    x_RD: torch.Tensor, gate_up_L2FD: Slots, counts_L: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_RF, up_RF): the two input projections of each row's expert."""
     w_gate, w_up = _halves(gate_up_L2FD)
-    gate_RF = grouped_mm(x_RD, w_gate.transpose(-2, -1), counts_L)
-    up_RF = grouped_mm(x_RD, w_up.transpose(-2, -1), counts_L)
+    gate_RF = grouped_mm(x_RD, _transposed(w_gate), counts_L)
+    up_RF = grouped_mm(x_RD, _transposed(w_up), counts_L)
     return gate_RF, up_RF
 
 
 def expert_forward(
-    x_RD: torch.Tensor, gate_up_L2FD: torch.Tensor, down_LDF: torch.Tensor, counts_L: torch.Tensor
+    x_RD: torch.Tensor, gate_up_L2FD: Slots, down_LDF: Slots, counts_L: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Returns y_RD and the activations a backward may reuse: gate, up, silu(gate), h."""
+    """Returns y_RD and the activations a backward may reuse: gate, up, silu(gate), h. The
+    weights may be several sets (:func:`grouped_mm`)."""
     gate_RF, up_RF = gate_up_forward(x_RD, gate_up_L2FD, counts_L)
     silu_RF = F.silu(gate_RF)
     h_RF = silu_RF * up_RF
-    y_RD = grouped_mm(h_RF, down_LDF.transpose(-2, -1), counts_L)
+    y_RD = grouped_mm(h_RF, _transposed(down_LDF), counts_L)
     return y_RD, {"gate": gate_RF, "up": up_RF, "silu": silu_RF, "h": h_RF}
 
 
 def expert_backward(
     dy_RD: torch.Tensor,
     x_RD: torch.Tensor,
-    gate_up_L2FD: torch.Tensor,
-    down_LDF: torch.Tensor,
+    gate_up_L2FD: Slots,
+    down_LDF: Slots,
     counts_L: torch.Tensor,
     acts: dict[str, torch.Tensor] | None = None,
-    grads: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads: tuple[Slots, Slots] | None = None,
+) -> tuple[torch.Tensor, Slots, Slots]:
     """Backward of :func:`expert_forward` given dy (already multiplied by the routing weight).
 
     ``acts`` are the forward's saved activations; without them gate/up, silu and h are
@@ -180,7 +229,9 @@ def expert_backward(
     else:
         gate_RF, up_RF, silu_RF, h_RF = (acts.pop(k) for k in ("gate", "up", "silu", "h"))
     add = grads is not None
-    dgate_up_L2FD, ddown_LDF = grads if add else (torch.empty_like(gate_up_L2FD), None)
+    sets = not isinstance(down_LDF, torch.Tensor)  # several sets: their gradients apart too
+    dgate_up_L2FD, ddown_LDF = grads if add else (_each(torch.empty_like, gate_up_L2FD),
+                                                  _each(torch.empty_like, down_LDF) if sets else None)
     # Every intermediate is written over a buffer that is no longer needed: on CPU a fresh
     # large tensor costs page faults comparable to the elementwise op itself.
     ddown_LDF = grouped_mm_wgrad(dy_RD, h_RF, counts_L, out=ddown_LDF, accumulate=add)
@@ -200,15 +251,15 @@ def expert_backward(
 
 
 def expert_backward_chunked(
-    dy_RD: torch.Tensor, x_RD: torch.Tensor, gate_up_L2FD: torch.Tensor, down_LDF: torch.Tensor,
+    dy_RD: torch.Tensor, x_RD: torch.Tensor, gate_up_L2FD: Slots, down_LDF: Slots,
     counts_L: torch.Tensor, chunk: int, order_R: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Slots, Slots]:
     """:func:`expert_backward` recomputing ``chunk`` rows at a time: one chunk's activations live
     at once (MemFine-style), the weight gradients summed over chunks in place. ``order_R``: dy
     is in another order, slot-major row i being ``dy_RD[order_R[i]]``; each chunk's dy rows are
     gathered through it and its dx written back in their place. dx is returned in dy's buffer
     and order, as unchunked."""
-    dgate_up_L2FD, ddown_LDF = torch.zeros_like(gate_up_L2FD), torch.zeros_like(down_LDF)
+    dgate_up_L2FD, ddown_LDF = _each(torch.zeros_like, gate_up_L2FD), _each(torch.zeros_like, down_LDF)
     for a, b, part_L in chunk_spans(counts_L, chunk):
         dy = dy_RD[a:b] if order_R is None else dy_RD[order_R[a:b]]
         dx = expert_backward(dy, x_RD[a:b], gate_up_L2FD, down_LDF, part_L, grads=(dgate_up_L2FD, ddown_LDF))[0]

@@ -107,8 +107,8 @@ def _check(res: list, system: str) -> str:
     return status
 
 
-# One cap per world size with one hot expert: below static's peak, where symi fits only with
-# fewer replicas than its default (2 ranks: 6 slots → 4 and 5; 4 ranks: 3 slots → some 2).
+# One cap per world size with one hot expert, below static's peak: at 2 ranks symi fits only with
+# fewer replicas than its default (6 slots → 4 and 5); at 4 ranks its default's 3 slots fit.
 FRACTION = {2: 0.9, 4: 0.7}
 MUST_FIT = {"static", "static-recompute", "symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capacity"}
 
@@ -123,7 +123,7 @@ def test_every_system_within_the_cap_or_raises(pool, system, world):
         assert any(rec.get("keep_mode") == "x" for r in res for rec in r[2]), res[0][2]
     if system in MUST_FIT:
         assert status == "ok", f"{system} should fit: {res[0][2]}"
-    if system == "symi":
+    if system == "symi" and world == 2:
         default = LayerPlanner(spec_of("symi"), MoEConfig(**CFG), world).default_slots_R
         slots = [r[2][-1]["replica_slots"] for r in res]
         assert any(s < d for s, d in zip(slots, default)), (slots, default)

@@ -42,20 +42,29 @@ def _static_peak(world: int, counts_SE: torch.Tensor) -> int:
 def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
     cfg, world = MoEConfig(**CFG), 4
     counts_SE = _counts_SE(world)
-    cap = int(0.7 * _static_peak(world, counts_SE))
+    peak = _static_peak(world, counts_SE)
     default = LayerPlanner(spec_of("symi"), cfg, world).default_slots_R
-    # the default slots, fixed, hold the call within the cap only by keeping x alone to the
-    # backward (recomputing the activations in chunks)
+    # 0.65 × static's peak: the default slots, fixed, fit only by keeping x alone to the backward;
+    # derived from the cap, the replicas re-planned by the call's rows fit keeping x and the
+    # activations (the richest way that fits is taken)
+    cap = int(0.65 * peak)
     fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=default))
     plan = fixed.plan_call(counts_SE)
     assert plan.keep == "x" and max(plan.peak_R) <= cap and [len(s) for s in plan.placement.slots] == default
-    # derived from the cap: fewer copies first, keeping x and the activations (the richest way
-    # that fits), re-planned inside the call and then at every step
+    plan = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap)).plan_call(counts_SE)
+    assert plan.keep is None and max(plan.peak_R) <= cap
+    # 0.4 ×: the default slots fit no way; derived from the cap, fewer copies (keeping x alone),
+    # re-planned inside the call and then at every step
+    cap = int(0.4 * peak)
+    fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=default))
+    with pytest.raises(MemoryBudgetExceeded, match="memory budget too small: rank") as err:
+        fixed.plan_call(counts_SE)
+    assert err.value.cap == cap and err.value.needed > cap
     planner = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap))
     for _ in range(3):
         plan = planner.plan_call(counts_SE)
         copies = [len(s) for s in plan.placement.slots]
-        assert max(plan.peak_R) <= cap and plan.keep is None
+        assert max(plan.peak_R) <= cap and plan.keep == "x"
         assert copies != default and all(2 <= c <= d for c, d in zip(copies, default)), copies
         assert plan.placement.num_copies > cfg.num_experts, "still replicates the hot expert"
         planner.step_end()

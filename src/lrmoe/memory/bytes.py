@@ -7,8 +7,8 @@ With D model dim, F expert hidden dim and s bytes per element:
   gradient buffer;
 - a row of x, y, dy or dx: ``D·s``; the four (row, F) activations gate, up, silu(gate), h:
   ``4·F·s``; ‖h‖² for the LRM scores: 8 bytes (float64);
-- with replicas, the owned weights are copied once more into the concatenated slot weights,
-  and replica gradients leave through a send buffer of one copy's parameters per replica.
+- with replicas, replica gradients leave through a send buffer of one copy's parameters per
+  replica (the owned and replica weights are two sets the grouped GEMMs read in place).
 
 What the expert side keeps from a call's forward to its backward is decided once, by
 :func:`kept_to_backward`, for the layer, the replay and the simulator alike.
@@ -101,10 +101,10 @@ class ByteModel:
         return 3 * self.row
 
     def slots_held(self, copies: int, owned: int) -> int:
-        """A rank's persistent expert memory: its copies' parameters and gradient buffers, plus
-        the owned weights' second copy inside the concatenated slot weights when it holds
-        replicas."""
-        return copies * self.slot + (owned * self.slot_params if copies > owned else 0)
+        """A rank's persistent expert memory: its copies' parameters and gradient buffers (the
+        owned experts' and the replicas' weights are two sets the GEMMs read in place, never
+        concatenated)."""
+        return copies * self.slot
 
     def slots_reserved(self, copies: int, owned: int) -> int:
         """:meth:`slots_held` plus the buffer replica gradients leave through: what a budget

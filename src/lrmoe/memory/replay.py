@@ -54,9 +54,8 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
 
     The sequence (s = dtype size, R_f forward rows, R_b backward rows, L local copies):
 
-    - base: every local copy's parameters and gradient buffer (``2·3·D·F·s`` each), plus, when
-      the rank holds replicas, the owned weights' second copy in the concatenated slot weights
-      (laer: its slices of every expert and their gradients, plus the assembled copies);
+    - base: every local copy's parameters and gradient buffer (``2·3·D·F·s`` each; laer: its
+      slices of every expert and their gradients, plus the assembled copies);
     - forward (:func:`_forward`): received rows x (``R_f·D·s``; reordered slot-major through a
       second buffer when the rank has several slots and the world several ranks), then y
       (``R_f·D·s``) and either the four (R_f, F) activations (gate, up, silu, h) or, when the

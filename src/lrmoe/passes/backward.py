@@ -52,7 +52,7 @@ def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, we
 
 
 def compute(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: BackwardRows, gate_up: torch.Tensor,
-            down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            down: torch.Tensor) -> tuple[torch.Tensor, experts.Slots, experts.Slots]:
     """The grouped SwiGLU backward over the received rows (recomputing gate/up/h where the
     activations were not kept). Returns (dx rows, slot weight gradients)."""
     meter, saved = call.meter, call.saved
@@ -76,7 +76,7 @@ def compute(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: 
     return experts.expert_backward_chunked(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, rows.chunk, order)
 
 
-def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: torch.Tensor, ddown: torch.Tensor,
+def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, ddown: experts.Slots,
               x_TD: torch.Tensor, rows: BackwardRows, owned: int, channel: Channel
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx rows home and summed per token; slot weight gradients reduced to the weights' owners
@@ -90,11 +90,17 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: torch.Tensor, ddo
         dgate_up, ddown = sharding.reduce_grads(dgate_up, ddown, plan.placement, layer.rank, channel.group,
                                                 channel.wire, owned)
     elif plan.placement.num_copies > plan.placement.num_experts:  # replica gradients go to owners
-        meter.hold(dgate_up[owned:], ddown[owned:])  # the send buffer
-        add_gu, add_down = layer.replicas.reduce_grads(dgate_up[owned:], ddown[owned:], plan.placement, layer.rank,
+        (own_gu, rep_gu), (own_down, rep_down) = _by_set(dgate_up, owned), _by_set(ddown, owned)
+        meter.hold(rep_gu, rep_down)  # the send buffer
+        add_gu, add_down = layer.replicas.reduce_grads(rep_gu, rep_down, plan.placement, layer.rank,
                                                        channel.group, channel.wire)
-        dgate_up, ddown = dgate_up[:owned] + add_gu, ddown[:owned] + add_down
+        dgate_up, ddown = own_gu.add_(add_gu), own_down.add_(add_down)
     return dx_TD, dgate_up, ddown
+
+
+def _by_set(grad: experts.Slots, owned: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owned experts' gradients, replicas' gradients): the two sets, or one tensor's slots split."""
+    return grad if isinstance(grad, tuple) else (grad[:owned], grad[owned:])
 
 
 def _report(call: CallRecord, kept: Kept, select_ms: float, bwd_rows: int, channel: Channel, x_TD: torch.Tensor,

@@ -28,12 +28,16 @@ from lrmoe.systems import PlacementKind
 
 @dataclass(frozen=True)
 class SlotWeights:
-    """Weights of every local slot (owned experts, then replicas; sharded systems: the experts
-    this call assembled here) and the parameter bytes the call moved to have them."""
+    """Weights of every local slot (owned experts, then replicas, as two sets; sharded systems:
+    the experts this call assembled here) and the parameter bytes the call moved to have them."""
 
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: experts.Slots
+    down: experts.Slots
     moved_bytes: int
+
+    @property
+    def ffn_dim(self) -> int:
+        return (self.down if isinstance(self.down, torch.Tensor) else self.down[0]).shape[2]
 
 
 def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor,
@@ -87,11 +91,9 @@ def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, c
         w_gu, w_down = sharding.assemble(gate_up.detach(), down.detach(), placement, layer.rank, channel.group, slices)
         moved += slices.sent
         base = 2 * (nbytes(gate_up, down) + nbytes(w_gu, w_down))  # slices and their gradients, assembled and theirs
-    elif len(layer.replicas.experts):
-        w_gu = torch.cat([gate_up, layer.replicas.gate_up_proj])
-        w_down = torch.cat([down, layer.replicas.down_proj])
-        base = 2 * nbytes(w_gu, w_down) + nbytes(gate_up, down)  # every copy and its gradient, plus the
-        # owned weights' second copy inside the concatenated slot weights
+    elif len(layer.replicas.experts):  # two weight sets, owned then replicas, never concatenated
+        w_gu, w_down = (gate_up, layer.replicas.gate_up_proj), (down, layer.replicas.down_proj)
+        base = 2 * nbytes(*w_gu, *w_down)  # every copy and its gradient
     else:
         w_gu, w_down = gate_up, down
         base = 2 * nbytes(w_gu, w_down)
@@ -120,7 +122,7 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
     if chunk < rows.recv_rows:
         y_RD, h_sq_R = _chunked(rows_RD, weights, rows.slot_counts, chunk, want_h_sq)
         meter.hold(y_RD, h_sq_R)
-        meter.reach(chunk * 4 * weights.down.shape[2] * y_RD.element_size())
+        meter.reach(chunk * 4 * weights.ffn_dim * y_RD.element_size())
         return y_RD, h_sq_R, None
     y_RD, acts = experts.expert_forward(rows_RD, weights.gate_up, weights.down, rows.slot_counts)
     meter.hold(y_RD, *acts.values())
@@ -132,7 +134,7 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
 def _chunked(rows_RD: torch.Tensor, weights: SlotWeights, counts_L: torch.Tensor, chunk: int, want_h_sq: bool
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     R = rows_RD.shape[0]
-    y_RD = rows_RD.new_empty(R, weights.down.shape[1])
+    y_RD = rows_RD.new_empty(R, rows_RD.shape[1])
     h_sq = torch.empty(R, dtype=torch.float64, device=rows_RD.device) if want_h_sq else None
     for a, b, part_L in experts.chunk_spans(counts_L, chunk):
         y, acts = experts.expert_forward(rows_RD[a:b], weights.gate_up, weights.down, part_L)

@@ -6,9 +6,8 @@ is scored by the pairs the controller's quotas keep and by a predicted time: the
 forward rows and kept backward rows at the cost model's GEMM rate, plus every replica's refresh
 and gradient bytes at its link rate. Among the plans that keep at least 99 % of the most kept
 pairs, the fastest wins (ties: fewer replicas). A replica costs memory (its slot, its gradient
-buffer, and, for a rank's first, a second copy of the owned weights) that would otherwise hold
-kept rows, so under a tight cap replicas are taken only where the imbalance they remove is
-worth more.
+buffer and its gradient's send buffer) that would otherwise hold kept rows, so under a tight
+cap replicas are taken only where the imbalance they remove is worth more.
 """
 
 from __future__ import annotations
