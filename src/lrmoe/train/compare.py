@@ -77,6 +77,7 @@ def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int
         "status": "reached" if hit else ("oom" if oom else "never"),
         "oom_step": oom["step"] if oom else None,
         "oom": oom["oom"] if oom else None,
+        "oom_during": oom.get("during") if oom else None,
         "replica_slots": float(np.mean([r.get("replica_slots", 0) for r in rows])) if rows else None,
         "memory_cap_bytes": memory_cap,
         "steps_to_target": hit["step"] if hit else None,

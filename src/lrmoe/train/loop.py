@@ -4,7 +4,9 @@ Groups and gradient reduction: :mod:`lrmoe.train.groups`; the model: :mod:`lrmoe
 what each step records (``metrics.jsonl``, ``summary.json``): :mod:`lrmoe.train.metrics`.
 ``routing.npz`` holds ``counts`` (steps × MoE layers × experts), the global routing counts of
 every step, as traces for the simulator. Rank 0 writes the resolved config to ``config.toml``
-once every rank has started (or resumed) the run: a resume that fails leaves ``out`` as it was.
+once every rank has started (or resumed) the run: a resume that fails leaves ``out`` as it was. A
+call that does not fit the memory cap anywhere, building the model included, is the run's
+``oom`` stop, not a failure (:mod:`lrmoe.train.oom`, :func:`_stop_oom`).
 Checkpoints (:mod:`lrmoe.train.checkpoint`, :mod:`lrmoe.train.state`; where a run starts:
 :mod:`lrmoe.train.resume`) load at any world size and expert-parallel size; the step count, the
 data position (windows drawn) and the learning rate schedule continue from them.
@@ -16,7 +18,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +30,11 @@ from lrmoe.models import MoETransformer
 from lrmoe.train import checkpoint
 from lrmoe.train.build import build_model
 from lrmoe.train.config import RunConfig, TrainConfig
-from lrmoe.train.data import Batches, TokenData
+from lrmoe.train.data import TokenData
 from lrmoe.train.groups import Groups, all_reduce, reduce_gradients, train_device
 from lrmoe.train.metrics import Progress, TensorBoardLog, grad_norm, step_metrics
-from lrmoe.train.resume import PeerRankError, TrainStream, save
+from lrmoe.train.oom import OutOfMemory, agree, during, evaluate, fitting
+from lrmoe.train.resume import PeerRankError, TrainStream, fresh_history, save, unbuilt_start
 from lrmoe.train.resume import start as resume_from
 from lrmoe.train.state import TrainState
 
@@ -46,18 +49,6 @@ def _lr(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
-
-@torch.no_grad()
-def evaluate(model: MoETransformer, batches: Batches, n: int, groups: Groups) -> float:
-    """Validation cross entropy over ``n`` batches of every rank, token-weighted."""
-    total = torch.zeros(2, dtype=torch.float64)
-    device = next(model.parameters()).device
-    for ids, tgt in batches.val_batches(n):
-        _, ce = model.loss(ids.to(device), tgt.to(device))
-        total += torch.tensor([ce.item() * tgt.numel(), tgt.numel()], dtype=torch.float64)
-    all_reduce(total, groups.world_group)
-    return float(total[0] / total[1])
 
 
 def _end_moe_step(model: MoETransformer, groups: Groups, t: TrainConfig) -> float:
@@ -76,7 +67,8 @@ def _end_moe_step(model: MoETransformer, groups: Groups, t: TrainConfig) -> floa
 
 @dataclass
 class _Run:
-    """One rank's run from its setup to its summary: what every phase of a step reads."""
+    """One rank's run from its setup to its summary: what every phase of a step reads (the model,
+    optimizer and state once built: :func:`_build`)."""
 
     cfg: RunConfig
     out: Path
@@ -84,14 +76,14 @@ class _Run:
     data: TokenData
     batches: TrainStream
     device: torch.device
-    model: MoETransformer
-    opt: torch.optim.Optimizer
-    state: TrainState
     total_steps: int
-    start: int
-    history: dict
-    progress: Progress
-    board: TensorBoardLog | None
+    model: MoETransformer | None = None
+    opt: torch.optim.Optimizer | None = None
+    state: TrainState | None = None
+    start: int = 0
+    history: dict = field(default_factory=fresh_history)
+    progress: Progress | None = None
+    board: TensorBoardLog | None = None
     t_run: float = 0.0  # this session's start (time.time()); wall_s goes on from the checkpoint's
     wall_before: float = 0.0
 
@@ -104,32 +96,52 @@ class _Run:
         return self.out / "metrics.jsonl"
 
 
-def _setup(cfg: RunConfig, out: Path, world_group, resume: bool, max_steps: int | None) -> _Run:
-    """Groups, data, model, optimizer, the step to start from (:func:`lrmoe.train.resume.start`) and the loggers."""
+def _prepare(cfg: RunConfig, out: Path, world_group, max_steps: int | None) -> _Run:
+    """Groups and data of the run."""
     t = cfg.train
     groups = Groups(world_group, t.ep_size)
     torch.set_num_threads(1)
     data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
     batches = TrainStream(data, cfg.model.seq_len, t.batch, groups.dp_rank, groups.dp_size, t.seed)
-    device = train_device(cfg)
-    model = build_model(cfg, data.vocab_size, groups).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    total_steps = max_steps or t.steps
-    lead = groups.rank == 0
-    state = TrainState(model, opt, groups)
-    start, history = resume_from(cfg, out, resume, state, batches, groups)
-    progress = Progress(total_steps, start, lead)
-    board = TensorBoardLog(out) if lead and t.tensorboard else None
-    return _Run(cfg, out, groups, data, batches, device, model, opt, state, total_steps, start, history, progress,
-                board, t_run=time.time(), wall_before=history["wall_s"])
+    return _Run(cfg, out, groups, data, batches, train_device(cfg), max_steps or t.steps)
 
 
-def _stop_oom(run: _Run, step: int, error: MemoryBudgetExceeded, summary: dict) -> None:
-    """The run ends at a call that did not fit the memory cap (every rank raised it alike)."""
-    summary.update(status="oom", oom_step=step + 1, oom=str(error))
+def _build(run: _Run, resume: bool) -> None:
+    """Model, optimizer, the step to start from (:func:`lrmoe.train.resume.start`) and the
+    loggers. Where a rank's model cannot be built within the memory cap, every rank raises
+    :class:`OutOfMemory` at the step the run would have started from (its loggers set up)."""
+    cfg, t, groups = run.cfg, run.cfg.train, run.groups
+    error = None
+    try:
+        run.model = build_model(cfg, run.data.vocab_size, groups).to(run.device)
+    except MemoryBudgetExceeded as e:
+        error = e
+    try:
+        agree(groups, error, "setup")
+    except OutOfMemory:
+        run.start, run.history = unbuilt_start(cfg, run.out, resume, groups.rank)
+        _loggers(run)
+        raise
+    run.opt = torch.optim.AdamW(run.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    run.state = TrainState(run.model, run.opt, groups)
+    run.start, run.history = resume_from(cfg, run.out, resume, run.state, run.batches, groups)
+    _loggers(run)
+
+
+def _loggers(run: _Run) -> None:
+    """Progress, TensorBoard and the session's clock, from the step the run starts at."""
+    run.progress = Progress(run.total_steps, run.start, run.lead)
+    run.board = TensorBoardLog(run.out) if run.lead and run.cfg.train.tensorboard else None
+    run.t_run, run.wall_before = time.time(), run.history["wall_s"]
+
+
+def _stop_oom(run: _Run, step: int, oom: OutOfMemory, summary: dict) -> None:
+    """The run ends at step ``step + 1``, where a call did not fit the memory cap ``during`` a
+    phase (every rank stops there): the metrics' last line ``{"step", "oom", "during"}``."""
+    summary.update(status="oom", oom_step=step + 1, oom=str(oom), oom_during=oom.during)
     if run.lead:
-        checkpoint.append_jsonl(run.metrics_path, {"step": step + 1, "oom": str(error)})
-        run.progress.write(f"step {step + 1}: out of the memory cap, run stopped: {error}")
+        checkpoint.append_jsonl(run.metrics_path, {"step": step + 1, "oom": str(oom), "during": oom.during})
+        run.progress.write(f"step {step + 1}: out of the memory cap ({oom.during}), run stopped: {oom}")
 
 
 def _update(run: _Run, loss: torch.Tensor, step: int) -> tuple[bool, float]:
@@ -206,6 +218,44 @@ def _finish(run: _Run, summary: dict) -> dict:
     return summary
 
 
+def _step(run: _Run, step: int, eval_steps: set[int], stop_at: float | None, summary: dict) -> bool:
+    """One optimizer step: forward, backward and update, its record, an evaluation when due and a
+    checkpoint when due. Returns whether the run stops (the target reached); raises
+    :class:`OutOfMemory` where a call does not fit the memory cap (an evaluation's after the
+    step's record is written)."""
+    t = run.cfg.train
+    lr = _lr(step, t)
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    t0 = time.time()
+    ids, tgt = (b.to(run.device) for b in run.batches.train_batch(step))
+    loss, ce = fitting(run.groups, "training step", run.model.loss, ids, tgt)  # before any row moved
+    skipped, norm = _update(run, loss, step)
+    with during("training step"):  # step_end's re-plan
+        record = _record(run, step, ce, ids.numel(), t0, lr, skipped, norm)
+    done = step + 1
+    if done % t.eval_every == 0 or done in eval_steps or done == run.total_steps:
+        try:
+            _validate(run, record)
+        except OutOfMemory:
+            _log(run, _clock(run, record))
+            raise
+    _log(run, _clock(run, record))
+    reached = stop_at is not None and record.get("val_loss", math.inf) <= stop_at
+    if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == run.total_steps or reached:
+        with during("checkpoint"):
+            save(run.out, done, run.state, run.batches, run.history, run.groups, t.keep_checkpoints)
+    if reached:
+        summary.update(stopped_at_target=True, status="reached")
+    return reached
+
+
+def _clock(run: _Run, record: dict) -> dict:
+    """``record`` with the run's wall-clock seconds so far (also the history's)."""
+    record["wall_s"] = run.history["wall_s"] = run.wall_before + time.time() - run.t_run
+    return record
+
+
 def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
           max_steps: int | None = None, stop_at: float | None = None, eval_at: tuple[int, ...] = (),
           after_step: Callable[[int, int], None] | None = None) -> dict:
@@ -213,35 +263,19 @@ def train(cfg: RunConfig, out: Path, world_group=None, resume: bool = False,
     step budget; with ``stop_at`` the run ends at the first evaluation whose validation loss
     is at or below it. Evaluations run every ``eval_every`` steps, at every step of
     ``eval_at`` and at the end. ``after_step(step, rank)`` runs after each step's checkpoint
-    (the worker's fault-injection hook). Returns rank 0's summary."""
-    t = cfg.train
-    run = _setup(cfg, Path(out), world_group, resume, max_steps)
-    eval_steps = set(eval_at)
+    (the worker's fault-injection hook). A call that does not fit the memory cap anywhere
+    (building the model, a step, an evaluation, a checkpoint) stops the run as ``oom`` at that
+    step (:func:`_stop_oom`). Returns rank 0's summary."""
+    run = _prepare(cfg, Path(out), world_group, max_steps)
     summary = {"stopped_at_target": False, "status": "done"}
-    for step in range(run.start, run.total_steps):
-        lr = _lr(step, t)
-        for g in run.opt.param_groups:
-            g["lr"] = lr
-        t0 = time.time()
-        ids, tgt = (b.to(run.device) for b in run.batches.train_batch(step))
-        try:
-            loss, ce = run.model.loss(ids, tgt)
-        except MemoryBudgetExceeded as e:  # raised alike on every rank, before any row moved
-            _stop_oom(run, step, e, summary)
-            break
-        skipped, norm = _update(run, loss, step)
-        record = _record(run, step, ce, ids.numel(), t0, lr, skipped, norm)
-        done = step + 1
-        if done % t.eval_every == 0 or done in eval_steps or done == run.total_steps:
-            _validate(run, record)
-        record["wall_s"] = run.history["wall_s"] = run.wall_before + time.time() - run.t_run
-        _log(run, record)
-        reached = stop_at is not None and record.get("val_loss", math.inf) <= stop_at
-        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == run.total_steps or reached:
-            save(run.out, done, run.state, run.batches, run.history, run.groups, t.keep_checkpoints)
-        if reached:
-            summary.update(stopped_at_target=True, status="reached")
-            break
-        if after_step is not None:
-            after_step(done, run.groups.rank)
+    step, eval_steps = None, set(eval_at)
+    try:
+        _build(run, resume)
+        for step in range(run.start, run.total_steps):
+            if _step(run, step, eval_steps, stop_at, summary):
+                break
+            if after_step is not None:
+                after_step(step + 1, run.groups.rank)
+    except OutOfMemory as oom:  # every rank stops at the same point
+        _stop_oom(run, run.start if step is None else step, oom, summary)
     return _finish(run, summary)

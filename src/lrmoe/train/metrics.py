@@ -27,8 +27,10 @@
 ``summary.json`` (rank 0, at the end): ``steps`` run, ``val`` (one ``{"step", "loss",
 "moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``unigram_loss`` (the corpus's
 context-free loss), ``stopped_at_target``, ``status`` (``done``: ran its steps, ``reached``: stopped
-at the target, ``oom``: a layer call did not fit the memory cap — then ``oom_step`` and the
-message ``oom``; the metrics' last line is ``{"step", "oom"}``).
+at the target, ``oom``: a layer call did not fit the memory cap — then ``oom_step``, the
+message ``oom`` and ``oom_during``, the phase: ``setup``, ``training step``, ``evaluation`` or
+``checkpoint``; the metrics' last line is ``{"step", "oom", "during"}``, after the step's own
+record where its evaluation did not fit: :mod:`lrmoe.train.oom`).
 """
 
 from __future__ import annotations

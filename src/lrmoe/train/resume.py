@@ -5,6 +5,7 @@ good checkpoint (at any world size and expert-parallel size), the data position 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -72,13 +73,19 @@ def save(out: Path, step: int, state: TrainState, stream: TrainStream, history: 
     checkpoint.save(out, step, tensors, meta, groups.world_group, groups.rank, keep)
 
 
+def fresh_history() -> dict:
+    """The history of a run that starts at step 0."""
+    return {"moe_time_s": 0.0, "wall_s": 0.0, "val": [], "routing": []}
+
+
 def start(cfg: RunConfig, out: Path, resume: bool, state: TrainState, stream: TrainStream,
-           groups: Groups) -> tuple[int, dict]:
+          groups: Groups) -> tuple[int, dict]:
     """(the step to start from, the run history): from the last good checkpoint with ``resume``,
     at whatever world size and expert-parallel size it was written. Every rank agrees that it
     could start before rank 0 writes ``config.toml`` and trims ``metrics.jsonl`` to the
-    checkpoint; a checkpoint that exists but does not fit this run is a CheckpointError."""
-    start, history = 0, {"moe_time_s": 0.0, "wall_s": 0.0, "val": [], "routing": []}
+    checkpoint (:func:`begin`); a checkpoint that exists but does not fit this run is a
+    CheckpointError."""
+    start, history = 0, fresh_history()
     error = None
     if resume:
         try:
@@ -97,9 +104,33 @@ def start(cfg: RunConfig, out: Path, resume: bool, state: TrainState, stream: Tr
         raise error
     if not ok.item():
         raise PeerRankError("another rank could not resume")
+    return begin(cfg, out, start, history, groups.rank)
+
+
+def begin(cfg: RunConfig, out: Path, start: int, history: dict, rank: int) -> tuple[int, dict]:
+    """The run begins at ``start``: rank 0 writes ``config.toml`` and trims ``metrics.jsonl`` to
+    that step. Returns (``start``, ``history`` with its evaluations in today's form)."""
     history["val"] = [val_entry(v) for v in history["val"]]
-    if groups.rank == 0:
+    if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / "config.toml", lambda f: f.write(dump_toml(cfg.to_dict()).encode()))
         checkpoint.truncate_metrics(out / "metrics.jsonl", start)
     return start, history
+
+
+def unbuilt_start(cfg: RunConfig, out: Path, resume: bool, rank: int) -> tuple[int, dict]:
+    """Where a run whose model cannot be built stops (the memory cap cannot hold a rank's
+    experts): with ``resume``, at the newest checkpoint whose ``meta.json`` and routing history
+    this process reads alone (they need no model), else at step 0; then as :func:`begin`."""
+    start, history = 0, fresh_history()
+    for step in checkpoint.candidates(out) if resume else []:
+        folder = checkpoint.step_folder(out, step)
+        try:
+            meta = json.loads((folder / checkpoint.META).read_text())
+            routing = checkpoint.read_tensors(folder, "history/").get("history/routing")
+        except Exception:  # noqa: BLE001 - a torn checkpoint can raise almost anything: try an older one
+            continue
+        start = int(meta["step"])
+        history = {**history, **meta["history"], "routing": [] if routing is None else routing.tolist()}
+        break
+    return begin(cfg, out, start, history, rank)
