@@ -110,7 +110,8 @@ def _check(res: list, system: str) -> str:
 # One cap per world size with one hot expert: below static's peak, where symi fits only with
 # fewer replicas than its default (2 ranks: 6 slots → 4 and 5; 4 ranks: 3 slots → some 2).
 FRACTION = {2: 0.9, 4: 0.7}
-MUST_FIT = {"static", "static-recompute", "symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capacity"}
+MUST_FIT = {"static", "static-recompute", "symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capacity",
+            "llep"}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -133,7 +134,7 @@ def test_every_system_within_the_cap_or_raises(pool, system, world):
 # chunking its forward and backward (no replica needed), and stays equal to uncapped static.
 # (laer is not among them: its slices of every expert and their gradients, beside the experts
 # it assembles, are more than half of static's peak at this shape.)
-HALF = ["static", "static-recompute", "symi", "ultraep", "fastermoe"]
+HALF = ["static", "static-recompute", "symi", "ultraep", "fastermoe", "llep"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
