@@ -133,7 +133,9 @@ def test_every_system_within_the_cap_or_raises(pool, system, world):
 # The exact systems at half of static's peak, one hot expert: each fits by keeping x alone and
 # chunking its forward and backward (no replica needed), and stays equal to uncapped static.
 # (laer is not among them: its slices of every expert and their gradients, beside the experts
-# it assembles, are more than half of static's peak at this shape.)
+# it assembles, are more than half of static's peak at this shape. llep fits here with no spill
+# copy — a copy weighs more than the rows it would take at 96 tokens; with its copies under half
+# the peak at 256 tokens: tests/layer/test_llep.py.)
 HALF = ["static", "static-recompute", "symi", "ultraep", "fastermoe", "llep"]
 
 
