@@ -37,8 +37,9 @@ class MoELayer(nn.Module):
     ``symi`` (replicas re-planned every optimizer step), ``capacity`` (``capacity_factor``), and
     the replication family (docs/systems.md): ``fastermoe``, ``flexmoe``, ``smartmoe``
     (``routing_trace``: (steps, E) loads for its offline pool), ``laer``, ``ultraep``, ``topoep``
-    (``budget.ranks_per_node``). ``last_stats`` is refreshed by each forward and backward. Call
-    :meth:`step_end` after every optimizer step (a no-op for systems without replicas).
+    (``budget.ranks_per_node``), ``llep``. ``last_stats`` is refreshed by each forward and
+    backward. Call :meth:`step_end` after every optimizer step (a no-op for systems without
+    replicas).
 
     ``budget.memory_bytes`` caps every system's expert side (docs/design.md "The paper's
     regime"; :mod:`lrmoe.planning.planner` says how each system fits): ``last_stats`` then reports

@@ -34,6 +34,7 @@ class Assignment(StrEnum):
     MIN_PEAK = "min_peak"  # replicated experts spread by assign_min_peak
     LOCAL = "local"  # shadowed experts compute where their pairs are (FasterMoE)
     LOCALIZED = "localized"  # min-peak, then pairs re-matched to holders inside their node (TopoEP)
+    LEAST_LOADED = "least_loaded"  # owner up to a row cap, overflow to the least-loaded copies (LLEP)
 
 
 class Planner(StrEnum):
@@ -47,6 +48,7 @@ class Planner(StrEnum):
     SMARTMOE = "smartmoe"  # an offline pool from a routing trace, one picked online
     SHADOW = "shadow"  # hot experts broadcast by a cost model (FasterMoE)
     LAER = "laer"  # experts assembled from slices where the call's load places them
+    LEAST_LOADED = "least_loaded"  # overflow over a row cap spilled with its weights to the least loaded (LLEP)
 
 
 @dataclass(frozen=True)
@@ -116,15 +118,19 @@ SPECS: dict[str, SystemSpec] = {s.name: s for s in (
                uses_slots=True),
     SystemSpec("topoep", _STEP, _FULL, Assignment.LOCALIZED, Planner.NODE_AWARE, takes_budget=True,
                needs_topology=True, uses_slots=True, replan_every_step=True),
+    SystemSpec("llep", _CALL, _FULL, Assignment.LEAST_LOADED, Planner.LEAST_LOADED, takes_budget=True),
 )}
 SYSTEMS: tuple[str, ...] = tuple(SPECS)
-REPLICATION_FAMILY: tuple[str, ...] = ("fastermoe", "flexmoe", "smartmoe", "laer", "ultraep", "topoep")
+REPLICATION_FAMILY: tuple[str, ...] = ("fastermoe", "flexmoe", "smartmoe", "laer", "ultraep", "topoep", "llep")
 # Roles other modules name a system by (they never spell a system's name themselves):
 DEFAULT_SYSTEM = "static"  # what a layer, a training config or a patched model runs unless told
 REFERENCE_SYSTEM = "static"  # compare's target comes from this system's run
 TRIMMING_SYSTEM = "lrmoe"  # the system this library proposes: its controller trims the backward
 REPLICATED_BASELINE = "symi"  # the exact replicated system time columns and breakdowns are measured against
 FIXED_PLACEMENT_BASELINES: tuple[str, ...] = ("static", "static-recompute", "capacity")  # no replica to plan
+# planned from each call's own counts alone (no state across steps): the simulator projects them
+# uncapped beside the fixed baselines, their step's peak then held against each cap
+PER_CALL_BASELINES: tuple[str, ...] = ("llep",)
 COMPARE_DEFAULT: tuple[str, ...] = ("static", "symi", "lrmoe")  # compare's systems unless a config lists others
 
 

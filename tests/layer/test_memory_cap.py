@@ -110,7 +110,8 @@ def _check(res: list, system: str) -> str:
 # One cap per world size with one hot expert, below static's peak: at 2 ranks symi fits only with
 # fewer replicas than its default (6 slots → 4 and 5); at 4 ranks its default's 3 slots fit.
 FRACTION = {2: 0.9, 4: 0.7}
-MUST_FIT = {"static", "static-recompute", "symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capacity"}
+MUST_FIT = {"static", "static-recompute", "symi", "flexmoe", "smartmoe", "ultraep", "topoep", "lrmoe", "capacity",
+            "llep"}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -132,8 +133,10 @@ def test_every_system_within_the_cap_or_raises(pool, system, world):
 # The exact systems at half of static's peak, one hot expert: each fits by keeping x alone and
 # chunking its forward and backward (no replica needed), and stays equal to uncapped static.
 # (laer is not among them: its slices of every expert and their gradients, beside the experts
-# it assembles, are more than half of static's peak at this shape.)
-HALF = ["static", "static-recompute", "symi", "ultraep", "fastermoe"]
+# it assembles, are more than half of static's peak at this shape. llep fits here with no spill
+# copy — a copy weighs more than the rows it would take at 96 tokens; with its copies under half
+# the peak at 256 tokens: tests/layer/test_llep.py.)
+HALF = ["static", "static-recompute", "symi", "ultraep", "fastermoe", "llep"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

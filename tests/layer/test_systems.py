@@ -1,4 +1,4 @@
-"""The replication family (fastermoe, flexmoe, smartmoe, laer, ultraep, topoep) on the real layer:
+"""The replication family (fastermoe, flexmoe, smartmoe, laer, ultraep, topoep, llep) on the real layer:
 exact like static, placements and byte counters checked against what was exchanged, LAER's
 sharded state dict, and the family's argument errors. (Each planner below static's peak on a
 skewed workload: tests/planning/test_replication.py.)"""
@@ -87,7 +87,7 @@ def test_family_equals_static_at_world_4(pool, system):
     if system == "laer":  # each assembled expert: W-1 remote slices of 1/W of its parameters
         assert moved == sum(len(s) for s in slots) * 3 * _param_bytes(cfg) // 4
         assert last[0]["stats"]["optimizer_bytes"] == 2 * _param_bytes(cfg) * cfg.num_experts // 4
-    elif system in ("fastermoe", "ultraep"):  # every replica fetched from its owner in this call
+    elif system in ("fastermoe", "ultraep", "llep"):  # every replica fetched from its owner in this call
         replicas = sum(len(s) for s in slots) - cfg.num_experts
         assert replicas > 0, f"{system} replicates the hot expert"
         assert moved == replicas * _param_bytes(cfg)

@@ -65,8 +65,9 @@ class Placement:
         owned = set(self._owned_R[rank])
         return tuple(e for e in self.slots[rank] if e not in owned)
 
-    @property
+    @cached_property
     def num_copies(self) -> int:
+        """Expert copies over all ranks (computed once: a cap's fitter asks per rank and plan)."""
         return sum(len(s) for s in self.slots)
 
     def with_replicas(self, replicas: list[list[int]]) -> Placement:

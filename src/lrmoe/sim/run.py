@@ -33,7 +33,13 @@ from lrmoe.sim.search import BUDGET_TOLERANCE, BUDGET_TRIES, PREFIX_STEPS
 from lrmoe.sim.summary import result_row, summarise, time_to_target
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.whatif import what_if, what_if_reference
-from lrmoe.systems import FIXED_PLACEMENT_BASELINES, REPLICATED_BASELINE, TRIMMING_SYSTEM, parse_system_name
+from lrmoe.systems import (
+    FIXED_PLACEMENT_BASELINES,
+    PER_CALL_BASELINES,
+    REPLICATED_BASELINE,
+    TRIMMING_SYSTEM,
+    parse_system_name,
+)
 
 
 @dataclass
@@ -96,7 +102,7 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
     reference = PlanningReference.load(cfg.planning)
     bar = tqdm(desc=f"simulate {cfg.model}", unit="step", disable=not progress, leave=False)
     proj = Projection(cfg, counts, layers, reference, bar)
-    fixed = {name: proj.run(name).calls for name in FIXED_PLACEMENT_BASELINES}
+    fixed = {name: proj.run(name).calls for name in (*FIXED_PLACEMENT_BASELINES, *PER_CALL_BASELINES)}
     symi_candidates = proj.symi_candidates()
     caps: dict[str, dict] = {}
     grids: dict[str, dict] = {}

@@ -9,6 +9,7 @@ published mechanism is reproduced and what is not.
     pool.py        an offline pool of placements from a routing trace, one picked online (SmartMoE)
     shadow.py      hot experts broadcast by a cost model, computed where their pairs are (FasterMoE)
     assembled.py   experts sharded over all ranks, assembled where a call's load places them (LAER-MoE)
+    least_loaded.py  overflow over a per-rank row cap spilled, with its weights, to the least-loaded ranks (LLEP)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lrmoe.planning.cost import CostModel
 from lrmoe.planning.strategies.assembled import AssembledLayout, laer_layout
 from lrmoe.planning.strategies.base import PlacementStrategy, StrategyInputs, predicted_rank_load, trim_replicas
 from lrmoe.planning.strategies.greedy import GreedyMigration, flexmoe_replan
+from lrmoe.planning.strategies.least_loaded import LeastLoaded, least_loaded_rows
 from lrmoe.planning.strategies.load import LoadReplicas
 from lrmoe.planning.strategies.node_aware import NodeAwareReplicas, localize
 from lrmoe.planning.strategies.pool import PlacementPool, pick_from_pool, placement_pool
@@ -32,6 +34,7 @@ _BY_PLANNER: dict[Planner, type[PlacementStrategy]] = {
     Planner.SMARTMOE: PlacementPool,
     Planner.SHADOW: Shadowing,
     Planner.LAER: AssembledLayout,
+    Planner.LEAST_LOADED: LeastLoaded,
 }
 
 
@@ -40,7 +43,7 @@ def strategy_for(planner: Planner, inputs: StrategyInputs) -> PlacementStrategy:
     return _BY_PLANNER[planner](inputs)
 
 
-__all__ = ["AssembledLayout", "CostModel", "GreedyMigration", "LoadReplicas", "NodeAwareReplicas", "PlacementPool",
-           "PlacementStrategy", "Shadowing", "StrategyInputs", "flexmoe_replan", "laer_layout", "local_assignment",
-           "localize", "pick_from_pool", "placement_pool", "predicted_rank_load", "shadow_experts", "strategy_for",
-           "trim_replicas"]
+__all__ = ["AssembledLayout", "CostModel", "GreedyMigration", "LeastLoaded", "LoadReplicas", "NodeAwareReplicas",
+           "PlacementPool", "PlacementStrategy", "Shadowing", "StrategyInputs", "flexmoe_replan", "laer_layout",
+           "least_loaded_rows", "local_assignment", "localize", "pick_from_pool", "placement_pool",
+           "predicted_rank_load", "shadow_experts", "strategy_for", "trim_replicas"]

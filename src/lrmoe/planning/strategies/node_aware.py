@@ -1,6 +1,7 @@
 """TopoEP-style topology awareness: replicas ∝ load placed so that a node lacking an expert gets
 its copy first (within one row of the peak), and pairs re-matched to holders inside their node
-(:func:`localize`: same per-rank rows, fewest rows across nodes)."""
+(:func:`localize`: same per-rank rows, fewest rows across nodes; its matching of sources to
+holders, :func:`match_sources`, is also LLEP's rule's)."""
 
 from __future__ import annotations
 
@@ -65,19 +66,34 @@ def localize(assign: PairAssignment, node_of: list[int]) -> PairAssignment:
     rank order. For fixed per-holder totals this minimises the pairs that cross nodes."""
     E, S = assign.num_experts, assign.world
     expert_H, rank_H, rows_HS = assign.expert_H, assign.rank_H, assign.rows_HS
-    out_HS = np.zeros_like(rows_HS)
     if not len(expert_H):
         return assign
     supply_ES = np.zeros((E, S), np.int64)
     np.add.at(supply_ES, expert_H, rows_HS)
     demand_ER = np.zeros((E, S), np.int64)
     demand_ER[expert_H, rank_H] = assign.rows_H
+    return match_sources(expert_H, rank_H, supply_ES, demand_ER, node_of)
+
+
+def match_sources(expert_H: np.ndarray, rank_H: np.ndarray, supply_ES: np.ndarray, demand_ER: np.ndarray,
+                  node_of: list[int] | None = None) -> PairAssignment:
+    """The assignment whose entries (``expert_H``, ``rank_H``: expert then rank ascending) compute
+    ``demand_ER[e, r]`` rows of expert e, taken from the sources' ``supply_ES[e, s]`` pairs (each
+    expert's supply and demand summing alike): first each holder's own source's pairs, then
+    (``node_of`` given) sources inside its node, then any, in rank order (:func:`_in_order`).
+    The inputs are not changed."""
+    E, S = supply_ES.shape
+    out_HS = np.zeros((len(expert_H), S), np.int64)
+    if not len(expert_H):
+        return PairAssignment(expert_H, rank_H, out_HS, E)
+    supply_ES, demand_ER = supply_ES.astype(np.int64, copy=True), demand_ER.astype(np.int64, copy=True)
     entry_ER = np.full((E, S), -1, np.int64)
     entry_ER[expert_H, rank_H] = np.arange(len(expert_H))
     own = np.minimum(supply_ES[expert_H, rank_H], demand_ER[expert_H, rank_H])  # on the source itself (S = R)
     out_HS[np.arange(len(expert_H)), rank_H] = own
     supply_ES[expert_H, rank_H] -= own
     demand_ER[expert_H, rank_H] -= own
-    _in_order(supply_ES, demand_ER, np.asarray(node_of[:S]), out_HS, entry_ER, last=False)  # inside each node
+    if node_of is not None:
+        _in_order(supply_ES, demand_ER, np.asarray(node_of[:S]), out_HS, entry_ER, last=False)  # inside each node
     _in_order(supply_ES, demand_ER, None, out_HS, entry_ER, last=True)  # then anywhere
     return PairAssignment(expert_H, rank_H, out_HS, E)
