@@ -12,7 +12,8 @@ Written to the output folder:
   ``bwd_a2a_bytes``, ``a2a_bytes``, ``placement_bytes`` (totalled over the run),
   ``peak_expert_side_bytes`` (max over steps and ranks), ``memory_cap_bytes``,
   ``mean_kept_ratio``, ``replica_slots`` and ``mean_load_cv`` (expert-load coefficient of
-  variation; means over steps);
+  variation; means over steps), ``steps_to_target_resolution``, ``steps_to_target_interp`` and
+  ``moe_time_to_target_interp_s`` (below); ``details`` adds ``target_bracket`` and ``dense_eval``;
 - ``report.md``: the table; ``val_loss_vs_moe_time.png``, ``kept_ratio.png``,
   ``expert_load.png``: the plots (:mod:`lrmoe.train.plots`); one folder per system with its own run.
 
