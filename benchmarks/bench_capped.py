@@ -1,18 +1,26 @@
 """MoE time per training step under one memory cap, every system side by side in one run.
 
     python benchmarks/bench_capped.py [--world 2] [--tokens 1024 --dim 256 --ffn 512 --experts 16
-                                       --top-k 4] [--skew 2.0] [--cap 0.87] [--repeats 9] [--out FILE]
+                                       --top-k 4] [--skew 2.0] [--cap 0.87] [--repeats 9]
+                                       [--order-seed 0 | --worst-case] [--out FILE]
 
 The per-step half of ``lrmoe compare``'s MoE time to target (steps to target × MoE time per
 step), measured without a training run's noise: one MoE layer per system on ``--world`` gloo
 ranks, the same weights and tokens, routing skewed towards a few experts (``--skew``: the
 spread of per-expert router offsets; the load's coefficient of variation is printed), rounds
-interleaved. A step is forward, backward and ``step_end`` (the replica re-plan and refresh of
+interleaved. Which expert gets which offset is a seeded random order (``--order-seed``), so the
+hot experts land on ranks as chance has it; ``--worst-case`` gives the largest offsets to the
+lowest expert ids instead, which static's block placement puts all on rank 0 (the worst case for
+static). The hot rank's share of the forward's received rows (the largest rank's share) is
+reported for the routing under static's block placement (``hot_rank_share`` in ``meta``) and
+per system (its ranks' ``recv_rows``). A step is forward, backward and ``step_end`` (the replica re-plan and refresh of
 the replicated systems). ``static`` runs without a cap; every other system under ``--cap`` ×
 static's peak expert-side bytes (the largest over ranks), as in the paper's regime; a system
 that does not fit is reported as ``oom``. Figures: medians over rounds of the slowest rank's
 fwd_ms, bwd_ms, step_end_ms and their sum step_ms; kept ratio, replica slots, peak bytes and,
-for lrmoe, the keep mode of the last round. JSON with ``--out``: {row: {figure: value}}.
+for lrmoe, the keep mode of the last round, and ``hot_rank_share``. JSON with ``--out``:
+{"meta": {"cap", "static_peak", "load_cv", "hot_rank_share", "order", "order_seed"},
+row: {figure: value}}.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from common import print_table, run_ranks, write_json
 
 from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
 from lrmoe.parallel import comm
+from lrmoe.planning.placement import Placement
 
 SYSTEMS = {
     "static": ("static", None),
@@ -39,14 +48,43 @@ SYSTEMS = {
 TIMES = ("fwd_ms", "bwd_ms", "step_end_ms", "step_ms")
 
 
+def router_offsets(num_experts: int, order_seed: int | None) -> torch.Tensor:
+    """Expert e's router offset z_e: standard normal draws (from the global generator), sorted
+    from the largest down and handed to the experts in a random order seeded by ``order_seed``;
+    ``None`` (``--worst-case``) keeps them sorted, so expert 0 is the hottest, then expert 1, ..."""
+    z = torch.randn(num_experts).sort(descending=True).values
+    if order_seed is None:
+        return z
+    return z[torch.randperm(num_experts, generator=torch.Generator().manual_seed(order_seed))]
+
+
+def block_shares(counts_E: torch.Tensor, world: int) -> list[float]:
+    """Each rank's share of the routed pairs under static's block placement (experts in
+    contiguous blocks, :meth:`lrmoe.planning.placement.Placement.static`)."""
+    owner_E = Placement.static(len(counts_E), world).owner_E
+    per_rank = torch.zeros(world, dtype=torch.float64).index_add_(0, owner_E, counts_E.double())
+    return (per_rank / per_rank.sum()).tolist()
+
+
+def hot_share(rows_R: list[int]) -> float | None:
+    """The largest rank's share of the rows the ranks received (None: no rows)."""
+    total = sum(rows_R)
+    return max(rows_R) / total if total else None
+
+
+def order_label(meta: dict) -> str:
+    return "worst case (sorted)" if meta["order"] == "worst-case" else f"random (--order-seed {meta['order_seed']})"
+
+
 def skewed_problem(cfg: MoEConfig, args: argparse.Namespace, rank: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Weights, tokens and output gradients with routing skewed towards a few experts: every
-    token carries a shared direction u, and expert e's router row an offset z_e·u."""
+    token carries a shared direction u, and expert e's router row an offset z_e·u
+    (:func:`router_offsets`)."""
     torch.manual_seed(args.seed)
     full = MoELayer(cfg).state_dict()
     u = torch.randn(cfg.dim)
     u /= u.norm()
-    z = torch.randn(cfg.num_experts).sort(descending=True).values
+    z = router_offsets(cfg.num_experts, None if args.worst_case else args.order_seed)
     full["router.weight"] = full["router.weight"] + args.skew * z[:, None] * u[None, :]
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)
     x = torch.randn(args.tokens, cfg.dim, generator=gen) + 2.0 * u
@@ -93,10 +131,14 @@ def measure(group, args: argparse.Namespace) -> dict[str, dict]:
             kept_E = s.get("kept_E")
             kept = (s["counts_E"] if kept_E is None else kept_E).sum() / s["counts_E"].sum()
             out[name].update(kept_ratio=float(kept), replica_slots=s.get("replica_slots", cfg.num_experts // 2),
-                             peak_bytes=int(s["peak_expert_side_bytes"]), keep_mode=s.get("keep_mode", "-"))
+                             peak_bytes=int(s["peak_expert_side_bytes"]), keep_mode=s.get("keep_mode", "-"),
+                             recv_rows=int(s.get("recv_rows", 0)))
     for r in out.values():
         r.update({k: statistics.median(v) for k, v in r.pop("samples").items() if v})
-    out["_"] = {"cap": cap, "static_peak": int(peak), "load_cv": float(counts.std() / counts.mean())}
+    out["_"] = {"cap": cap, "static_peak": int(peak), "load_cv": float(counts.std() / counts.mean()),
+                "hot_rank_share": max(block_shares(counts, comm.world_size(group))),
+                "order": "worst-case" if args.worst_case else "random", "order_seed": None if args.worst_case
+                else args.order_seed}
     return out
 
 
@@ -112,6 +154,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cap", type=float, default=0.87, help="memory cap as a fraction of static's peak")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
+    order = ap.add_mutually_exclusive_group()
+    order.add_argument("--order-seed", type=int, default=0,
+                       help="seed of the random order in which experts get the router offsets (default 0)")
+    order.add_argument("--worst-case", action="store_true",
+                       help="the largest offsets to experts 0, 1, ...: static's block placement puts every hot "
+                            "expert on rank 0")
     ap.add_argument("--out", help="write JSON {row: {figure: value}} here")
     args = ap.parse_args(argv)
     if args.world < 2:
@@ -132,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         rows[name] = {k: max(rank[name][k] for rank in per_rank) for k in TIMES}
         rows[name].update(kept_ratio=r0["kept_ratio"], replica_slots=r0["replica_slots"],
-                          peak_bytes=max(rank[name]["peak_bytes"] for rank in per_rank), keep_mode=r0["keep_mode"])
+                          peak_bytes=max(rank[name]["peak_bytes"] for rank in per_rank), keep_mode=r0["keep_mode"],
+                          hot_rank_share=hot_share([rank[name]["recv_rows"] for rank in per_rank]))
     base = rows.get("symi", {}).get("step_ms")
     for r in rows.values():
         if base and "step_ms" in r:
@@ -140,8 +189,11 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(
         f"MoE step under a cap of {meta['cap']:,} B/rank ({args.cap:.2f}x static's peak {meta['static_peak']:,}), "
         f"world {args.world}, T={args.tokens}/rank D={args.dim} F={args.ffn} E={args.experts} K={args.top_k}, "
-        f"load CV {meta['load_cv']:.2f}, median of {args.repeats} interleaved rounds, slowest rank",
-        rows, [*TIMES, "step_vs_symi", "kept_ratio", "replica_slots", "peak_bytes", "keep_mode", "oom"])
+        f"load CV {meta['load_cv']:.2f}, expert order {order_label(meta)}: the hot rank's share of the routed "
+        f"rows under block placement {meta['hot_rank_share']:.3f} (even: {1 / args.world:.3f}), median of "
+        f"{args.repeats} interleaved rounds, slowest rank",
+        rows, [*TIMES, "step_vs_symi", "kept_ratio", "replica_slots", "peak_bytes", "keep_mode", "hot_rank_share",
+               "oom"])
     write_json(args.out, {"meta": meta, **rows})
     return rows
 

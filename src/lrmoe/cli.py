@@ -5,7 +5,7 @@
                    [RENDEZVOUS]
     lrmoe compare  --config FILE [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
                    [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--memory-caps A,B,C]
-                   [RENDEZVOUS]
+                   [--seeds S,T,U] [RENDEZVOUS]
     lrmoe simulate --model NAME --gpus N --gpu-memory GIB[,GIB...] --out DIR [options]
 
     RENDEZVOUS: --nnodes N --node-rank R (--rdzv-endpoint HOST:PORT [--rdzv-id ID] [--rdzv-backend B]
@@ -123,14 +123,19 @@ def cmd_compare(args: argparse.Namespace) -> None:
     """``lrmoe compare``: the systems of the flag or the config, run by :func:`run_compare`, or
     with ``--memory-caps`` at each cap by :func:`run_sweep`."""
     from lrmoe.train.compare import run_compare
-    from lrmoe.train.sweep import parse_caps, run_sweep
+    from lrmoe.train.sweep import parse_caps, parse_seeds, run_seeds, run_sweep
 
     cfg = _resolve(args)
     caps = parse_caps(args.memory_caps) if args.memory_caps is not None else None
+    seeds = parse_seeds(args.seeds) if args.seeds is not None else cfg.compare.seeds
+    if caps is not None and seeds:
+        raise ConfigError("--memory-caps with --seeds (or compare.seeds) is not supported: run one cap sweep per seed")
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
     out = Path(args.out or "runs/compare")
     check_out(out, args.resume, args.overwrite)
-    if caps is None:
+    if seeds:
+        run_seeds(cfg, systems, seeds, out, resume=args.resume)
+    elif caps is None:
         run_compare(cfg, systems, out, resume=args.resume)
     else:
         run_sweep(cfg, systems, caps, out, resume=args.resume)
@@ -197,6 +202,9 @@ def _compare_parser(sub) -> None:
                     help="run the comparison at each per-rank memory cap (bytes such as 70MB or 66.8MiB, or a "
                          "fraction of the uncapped reference's peak such as 0.8x) and plot MoE time to target "
                          "against the cap (sweep.json, sweep.png)")
+    cp.add_argument("--seeds", metavar="S,T,U",
+                    help="run the whole comparison once per seed (train.seed and backward.seed; out/seed-S/ ...) and "
+                         "report mean, min-max and std of steps and MoE time to target (overrides compare.seeds)")
     cp.set_defaults(fn=cmd_compare)
 
 

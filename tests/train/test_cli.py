@@ -217,7 +217,7 @@ def test_compare_refuses_a_used_out(tmp_path):
 
 def test_help_matches_the_commands():
     for argv, needles in [([], ["simulate", "compare", "--resume | --overwrite", "--set SECTION.KEY=VALUE"]),
-                          (["compare"], ["--resume", "--overwrite", "--set", "--systems"]),
+                          (["compare"], ["--resume", "--overwrite", "--set", "--systems", "--seeds"]),
                           (["train"], ["--system", "lrmoe-random@0.5", "--set", "--overwrite", "--max-restarts"])]:
         r = run_main(*argv, "--help")
         assert r.returncode == 0
@@ -257,6 +257,15 @@ def test_cli_flags_validated(tmp_path, flag, value):
     r = run_main("train", "--config", str(config_file(tmp_path)), flag, value)
     assert r.returncode == 2 and flag in r.stderr and value in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_compare_seeds_errors_are_one_line(tmp_path):
+    cfg = str(config_file(tmp_path))
+    assert "--seeds='0,x' is invalid" in one_line_error(run_main("compare", "--config", cfg, "--seeds", "0,x"))
+    line = one_line_error(run_main("compare", "--config", cfg, "--seeds", "0,1", "--memory-caps", "0.8x"))
+    assert "--memory-caps with --seeds" in line
+    assert "compare.seeds=[1, 1]" in one_line_error(run_main("compare", "--config", cfg, "--set",
+                                                            "compare.seeds=[1, 1]"))
 
 
 def test_cli_compare_rejects_unknown_system(tmp_path):

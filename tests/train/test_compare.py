@@ -1,15 +1,25 @@
 """``lrmoe compare``'s systems (lrmoe.train.compare): each name's config (smartmoe with its trace,
-``lrmoe-random@0.25``'s selection and ratio), and which runs count as finished for a resume."""
+``lrmoe-random@0.25``'s selection and ratio), which runs count as finished for a resume, and the
+resolution of steps to target (dense evaluation where the target was crossed, on a synthetic
+loss curve through a fake launcher; a real rerun repeats its run exactly)."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lrmoe.train import compare
 from lrmoe.train.config import from_dict
+from lrmoe.train.metrics import read_metrics
+from tests.helpers.train import tiny
 
 
 def test_compare_system_configs_and_resume(tmp_path):
     import numpy as np
 
-    from lrmoe.train import compare
     from lrmoe.train.config import dump_toml
 
     cfg = from_dict({"budget": {"ranks_per_node": 1}})
@@ -27,3 +37,148 @@ def test_compare_system_configs_and_resume(tmp_path):
     assert not compare.finished(lr, folder), "no summary: the run did not finish"
     (folder / "summary.json").write_text("{}")
     assert compare.finished(lr, folder) and not compare.finished(smart, folder)
+
+
+# ------------------------------------------------------------------- steps to target: resolution
+
+
+def curve(step: int, seed: int = 0) -> float:
+    """A synthetic validation loss: falls by 0.01 a step from 5.0, with a bump at step 23 (so
+    the first evaluation at or below 4.76 is step 23 on a dense grid, 30 on a grid of 10)."""
+    return 5.0 - 0.01 * step - (0.02 if step == 23 else 0.0) + 0.1 * seed
+
+
+class FakeRuns:
+    """A launcher that writes a run as the training loop does, on the synthetic :func:`curve`:
+    evaluations every ``eval_every`` steps, at ``eval_at`` and at the end; a stop at the first
+    evaluation at or below ``stop_at``; checkpoints every ``checkpoint_every`` steps (the newest
+    ``keep_checkpoints`` kept, ``ckpt/latest``) and at the stop; a resume from ``ckpt/latest``
+    trims the metrics to its step. MoE time 0.1 s a step. Every call is recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, cfg, out: Path, resume=False, max_steps=None, stop_at=None, eval_at=(), **kw):
+        t = cfg.train
+        self.calls.append({"folder": out.name, "resume": resume, "eval_at": tuple(eval_at), "stop_at": stop_at,
+                           "max_steps": max_steps, "checkpoint_every": t.checkpoint_every, "seed": t.seed})
+        out.mkdir(parents=True, exist_ok=True)
+        root = out / "ckpt"
+        start = int((root / "latest").read_text()) if resume and (root / "latest").exists() else 0
+        rows = [r for r in read_metrics(out) if r["step"] <= start] if resume else []
+        total = max_steps or t.steps
+        for step in range(start + 1, total + 1):
+            r = {"step": step, "loss": 6.0 - 0.01 * step, "moe_time_s": 0.1 * step, "kept_ratio": 1.0,
+                 "load_cv": [0.5]}
+            if step % t.eval_every == 0 or step in eval_at or step == total:
+                r["val_loss"] = curve(step, t.seed)
+            rows.append(r)
+            reached = stop_at is not None and r.get("val_loss", math.inf) <= stop_at
+            if (t.checkpoint_every and step % t.checkpoint_every == 0) or reached or step == total:
+                root.mkdir(exist_ok=True)
+                (root / f"step_{step:07d}").mkdir(exist_ok=True)
+                (root / "latest").write_text(str(step))
+                for old in sorted(root.glob("step_*"))[:-t.keep_checkpoints]:
+                    old.rmdir()
+            if reached:
+                break
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / "config.toml").write_text("")
+        summary = {"unigram_loss": 6.0, "steps": rows[-1]["step"]}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+
+def run_fake_compare(tmp_path, monkeypatch, **compare_kw):
+    runs = FakeRuns()
+    monkeypatch.setattr(compare, "launch", runs)
+    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
+    cfg = from_dict({"train": {"steps": 30, "eval_every": 10},
+                     "compare": {"target_fraction": 0.8, "budget_factor": 2.0, **compare_kw}})
+    return runs, compare.run_compare(cfg, ("static", "symi"), tmp_path)
+
+
+def test_crossing_and_interpolation_on_a_synthetic_curve():
+    records = [{"step": s, "moe_time_s": 0.5 * s, **({"val_loss": curve(s)} if s % 10 == 0 else {})}
+               for s in range(1, 41)]
+    before, hit = compare.crossing(records, 4.75)
+    assert (before["step"], hit["step"]) == (20, 30)
+    step, t = compare.interpolate(records, 4.75, before, hit)
+    assert step == pytest.approx(25.0) and t == pytest.approx(12.5), "4.80 at 20, 4.70 at 30: halfway"
+    assert compare.crossing(records, 4.5) is None
+    before, hit = compare.crossing(records, 4.95)
+    assert before is None and hit["step"] == 10, "the first evaluation: no evaluation before it"
+    assert compare.interpolate(records, 4.95, before, hit) is None
+
+
+@pytest.mark.parametrize("eval_every, steps, dense, want", [
+    (10, 300, 5, (235, 240)), (25, 600, 5, (480,)), (10, 300, 0, (240,)), (10, 309, 5, (245, 247)),
+    (25, 300, 5, (230, 235, 240))])
+def test_reference_evaluates_densely_before_the_target_step(eval_every, steps, dense, want):
+    cfg = from_dict({"train": {"steps": steps, "eval_every": eval_every},
+                     "compare": {"target_fraction": 0.8, "dense_eval_every": dense}})
+    assert compare.reference_eval_at(cfg) == want
+
+
+def test_dense_evaluation_where_the_target_was_crossed(tmp_path, monkeypatch):
+    """static's loss at step 24 (4.76) is the target. Evaluated every 10 steps, symi first meets
+    it at step 30, after 20 (crossed in (20, 30]); rolled back to its checkpoint of step 20 and
+    evaluated every 5 steps there, at step 25 (4.75 <= 4.76); step 23's dip lies between."""
+    runs, doc = run_fake_compare(tmp_path, monkeypatch)
+    ref, first, again = runs.calls
+    assert ref["folder"] == "static" and ref["eval_at"] == (24,)  # (20, 24] is 4 steps already
+    assert first["folder"] == "symi" and first["checkpoint_every"] == 10 and not first["resume"]
+    assert again["folder"] == "symi" and again["resume"] and again["eval_at"] == (25, 30)
+    assert again["stop_at"] == doc["target_loss"] == curve(24) and again["max_steps"] == 60
+    symi = doc["systems"]["symi"]
+    assert symi["status"] == "reached" and symi["steps_to_target"] == 25 and symi["steps_to_target_resolution"] == 5
+    assert symi["moe_time_to_target_s"] == pytest.approx(2.5)
+    assert symi["steps_to_target_interp"] == pytest.approx(24.0)  # 4.80 at 20, 4.75 at 25: 4.76 at 24
+    assert symi["moe_time_to_target_interp_s"] == pytest.approx(2.4)
+    detail = doc["details"]["symi"]
+    assert detail["target_bracket"] == [20, 25]
+    assert detail["dense_eval"] == {"every": 5, "interval": [20, 30], "from_step": 20, "rerun_steps": 5,
+                                    "rerun_loss_max_abs_diff": 0.0}
+    assert [r["step"] for r in read_metrics(tmp_path / "symi")] == list(range(1, 26)), "the rerun replaced 21-30"
+    assert doc["systems"]["static"]["steps_to_target_resolution"] == 4
+    assert json.loads((tmp_path / "results.json").read_text()) == doc
+    text = (tmp_path / "report.md").read_text()
+    assert "| symi | 25 | (20, 25] | 2.50 | 24.0 / 2.40 |" in text
+
+
+def test_without_dense_evaluation_the_resolution_is_eval_every(tmp_path, monkeypatch):
+    runs, doc = run_fake_compare(tmp_path, monkeypatch, dense_eval_every=0)
+    assert [c["folder"] for c in runs.calls] == ["static", "symi"] and runs.calls[1]["checkpoint_every"] == 0
+    symi = doc["systems"]["symi"]
+    assert (symi["steps_to_target"], symi["steps_to_target_resolution"]) == (30, 10)
+    assert doc["details"]["symi"]["dense_eval"] is None
+
+
+def test_dense_evaluation_without_a_checkpoint_starts_afresh(tmp_path, monkeypatch):
+    """keep_checkpoints = 1 leaves no checkpoint at step 20: the rerun starts at step 0."""
+    runs = FakeRuns()
+    monkeypatch.setattr(compare, "launch", runs)
+    cfg = from_dict({"train": {"steps": 30, "eval_every": 10, "keep_checkpoints": 1}})
+    folder = tmp_path / "symi"
+    runs(compare.with_dense_checkpoints(cfg), folder, max_steps=60, stop_at=curve(24))
+    compare.refine(compare.with_dense_checkpoints(cfg), folder, curve(24), 60)
+    assert not runs.calls[-1]["resume"] and runs.calls[-1]["eval_at"] == (25, 30)
+    dense = json.loads((folder / "summary.json").read_text())["dense_eval"]
+    assert dense["from_step"] == 0 and dense["rerun_steps"] == 25 and dense["rerun_loss_max_abs_diff"] == 0.0
+    compare.refine(compare.with_dense_checkpoints(cfg), folder, curve(24), 60)
+    assert len(runs.calls) == 2, "a crossing already measured to 5 steps is not rerun"
+
+
+def test_a_real_rerun_repeats_its_run(tmp_path, monkeypatch):
+    """One rank, static and lrmoe@0.5 (a sampled selection: its RNG streams restored from the
+    checkpoint): the rerun from the checkpoint before the crossing repeats the first run's
+    training losses bit for bit, and steps to target are read to 5 steps."""
+    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
+    cfg = tiny(nproc=1, steps=20, eval_every=10)
+    doc = compare.run_compare(cfg, ("static", "lrmoe@0.5"), tmp_path)
+    r = doc["details"]["lrmoe@0.5"]
+    assert r["status"] == "reached" and r["steps_to_target_resolution"] <= 5, r
+    dense = r["dense_eval"]
+    assert dense is not None and dense["rerun_steps"] > 0 and dense["rerun_loss_max_abs_diff"] == 0.0, dense
+    evals = [x["step"] for x in read_metrics(tmp_path / "lrmoe@0.5") if "val_loss" in x]
+    assert r["steps_to_target"] == evals[-1] and evals[-1] - evals[-2] <= 5

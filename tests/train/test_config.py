@@ -28,7 +28,9 @@ BAD = [
                        ("val_fraction", 0.9), ("bias_update_rate", -1), ("capacity_factor", 0),
                        ("replan_interval", 0), ("on_nonfinite", "ignore"), ("device", "tpu"),
                        ("routing_trace", "runs/x/routing.npz"), ("keep_checkpoints", 0)]),
-    (CompareConfig, {}, [("systems", ("static", "warp")), ("target_fraction", 0), ("budget_factor", 0.5)]),
+    (CompareConfig, {}, [("systems", ("static", "warp")), ("target_fraction", 0), ("budget_factor", 0.5),
+                         ("dense_eval_every", -1), ("dense_eval_every", 2.5), ("seeds", (1, 1)), ("seeds", (-1,)),
+                         ("seeds", 3)]),
     (ModelConfig, {}, [("vocab_size", 0), ("dim", 0), ("n_layers", 0), ("n_heads", 3), ("seq_len", 0),
                        ("first_dense_layers", 9), ("dense_ffn_dim", 0)]),
 ]
@@ -70,3 +72,14 @@ def test_unknown_keys_are_rejected():
                         ({"model": {"moe": {"experts": 3}}}, "experts"), ({"model": {"preset": "big"}}, "big")]:
         with pytest.raises(ConfigError, match=needle):
             from_dict(raw)
+
+
+def test_compare_seeds_and_dense_evaluation_round_trip():
+    import tomllib
+
+    from lrmoe.train.config import dump_toml
+
+    cfg = from_dict({"compare": {"seeds": [0, 1, 2], "dense_eval_every": 3}})
+    assert cfg.compare.seeds == (0, 1, 2) and cfg.compare.dense_eval_every == 3
+    assert from_dict({}).compare.dense_eval_every == 5 and from_dict({}).compare.seeds == ()
+    assert from_dict(tomllib.loads(dump_toml(cfg.to_dict()))) == cfg

@@ -85,3 +85,82 @@ def test_sweep_shares_the_reference_and_runs_every_system_under_each_cap(tmp_pat
     clear_outputs(tmp_path / "cap-0.5x")  # a cap's folder cleared: its link goes, the shared reference stays
     assert not (tmp_path / "cap-0.5x" / "static-uncapped").exists()
     assert (tmp_path / "static-uncapped" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------- --seeds
+
+
+def entry(status="reached", steps=None, time_s=None, **kw) -> dict:
+    """A results.json entry as compare writes one (every key; the figures kw overrides)."""
+    reached = status == "reached"
+    r = {k: None for k in compare.RESULT_KEYS}
+    r.update(status=status, steps_to_target=steps if reached else None, moe_time_to_target_s=time_s if reached
+             else None, steps_to_target_interp=steps - 2.5 if reached else None,
+             moe_time_to_target_interp_s=time_s - 0.1 if reached else None,
+             steps_to_target_resolution=5 if reached else None, final_val_loss=4.0, steps_run=steps or 900,
+             a2a_bytes=1000, memory_cap_bytes=None, oom_step=None)
+    r.update(kw)
+    return r
+
+
+def test_seed_entry_mean_and_spread():
+    every = sweep.seed_entry([entry(steps=480, time_s=24.0), entry(steps=490, time_s=25.0, a2a_bytes=4000),
+                              entry(steps=500, time_s=29.0, steps_to_target_resolution=4)])
+    assert every["status"] == "reached" and every["seeds_run"] == every["seeds_reached"] == 3
+    assert every["steps_to_target"] == every["steps_to_target_mean"] == 490
+    assert every["steps_to_target_std"] == pytest.approx(10.0), "sample std (n - 1): 10, not 8.16"
+    assert (every["steps_to_target_min"], every["steps_to_target_max"]) == (480, 500)
+    assert every["moe_time_to_target_s"] == pytest.approx(26.0) and every["moe_time_to_target_s_max"] == 29.0
+    assert every["moe_time_to_target_s_std"] == pytest.approx(2.6457513)
+    assert every["steps_to_target_interp_mean"] == pytest.approx(487.5)
+    assert every["a2a_bytes"] == 2000 and every["steps_to_target_resolution"] == 5, "coarsest of the seeds"
+
+    some = sweep.seed_entry([entry(steps=480, time_s=24.0), entry("never"), entry(steps=500, time_s=26.0)])
+    assert some["status"] == "never" and some["seeds_reached"] == 2 and some["seeds_run"] == 3
+    assert some["steps_to_target"] is None and some["moe_time_to_target_s"] is None, "not every seed reached it"
+    assert some["steps_to_target_resolution"] is None and some["moe_time_to_target_interp_s"] is None
+    assert (some["steps_to_target_mean"], some["steps_to_target_min"], some["steps_to_target_max"]) == (490, 480, 500)
+    assert some["steps_to_target_std"] == pytest.approx(14.142136)
+
+    oom = sweep.seed_entry([entry("oom", oom_step=40), entry("never"), entry("oom", oom_step=17)])
+    assert oom["status"] == "oom" and oom["oom_step"] == 17 and oom["seeds_reached"] == 0
+    assert oom["steps_to_target_mean"] is None and oom["steps_to_target_std"] is None
+    one = sweep.seed_entry([entry(steps=480, time_s=24.0)])
+    assert one["steps_to_target_mean"] == 480 and one["steps_to_target_std"] is None, "no spread from one seed"
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "0,0", "-1", "1,,x"])
+def test_parse_seeds_rejects(text):
+    with pytest.raises(ConfigError, match="--seeds"):
+        sweep.parse_seeds(text)
+
+
+def test_seeds_run_every_system_per_seed(tmp_path, monkeypatch):
+    from lrmoe.sim.target import StepsToTarget
+    from tests.train.test_compare import FakeRuns, curve
+
+    runs = FakeRuns()
+    monkeypatch.setattr(compare, "launch", runs)
+    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
+    assert sweep.parse_seeds(" 0, 1,2 ") == (0, 1, 2)
+    cfg = from_dict({"train": {"steps": 30, "eval_every": 10, "seed": 7}, "backward": {"seed": 7},
+                     "compare": {"target_fraction": 0.8, "budget_factor": 2.0}})
+    seeded = sweep.seed_config(cfg, 2)
+    assert (seeded.train.seed, seeded.backward.seed, seeded.compare.seeds) == (2, 2, ())
+    doc = sweep.run_seeds(cfg, ("static", "symi"), (0, 1, 2), tmp_path)
+
+    assert [(c["folder"], c["seed"]) for c in runs.calls if not c["resume"]] == \
+        [(n, s) for s in (0, 1, 2) for n in ("static", "symi")], "every system once per seed"
+    assert doc["seeds"] == [0, 1, 2] and doc["target_losses"] == {str(s): curve(24, s) for s in (0, 1, 2)}
+    for s in (0, 1, 2):  # each seed a whole comparison of its own
+        one = json.loads((tmp_path / f"seed-{s}" / "results.json").read_text())
+        assert one["target_loss"] == curve(24, s) and doc["per_seed"][str(s)] == one["systems"]
+    symi = doc["systems"]["symi"]
+    assert symi["status"] == "reached" and symi["seeds_reached"] == 3 and symi["steps_to_target_mean"] == 25
+    assert symi["steps_to_target_std"] == 0 and symi["moe_time_to_target_s_mean"] == pytest.approx(2.5)
+    assert json.loads((tmp_path / "results.json").read_text()) == doc
+    report = (tmp_path / "report.md").read_text()
+    assert "| symi | 3/3 | 25.0 [25.0–25.0] | 0.0 | 2.50 [2.50–2.50] | 0.00 |" in report
+    assert "sample standard deviation" in report
+    # the seeds' results.json keeps single-seed readers working (lrmoe simulate --compare)
+    assert StepsToTarget.load(tmp_path / "results.json").systems["symi"] == 25

@@ -12,9 +12,22 @@ Written to the output folder:
   ``bwd_a2a_bytes``, ``a2a_bytes``, ``placement_bytes`` (totalled over the run),
   ``peak_expert_side_bytes`` (max over steps and ranks), ``memory_cap_bytes``,
   ``mean_kept_ratio``, ``replica_slots`` and ``mean_load_cv`` (expert-load coefficient of
-  variation; means over steps);
+  variation; means over steps), ``steps_to_target_resolution``, ``steps_to_target_interp`` and
+  ``moe_time_to_target_interp_s`` (below); ``details`` adds ``target_bracket`` and ``dense_eval``;
 - ``report.md``: the table; ``val_loss_vs_moe_time.png``, ``kept_ratio.png``,
   ``expert_load.png``: the plots (:mod:`lrmoe.train.plots`); one folder per system with its own run.
+
+Steps to target are measured, at the resolution of the evaluations: the first evaluation at or
+below the target. Evaluations come every ``train.eval_every`` steps; where the target was crossed,
+``compare.dense_eval_every`` (d) makes them denser (:func:`refine`): a system whose crossing
+interval (the evaluation before the first at or below the target, that one] is wider than d is
+rolled back to its checkpoint at the interval's start (compare's runs checkpoint at every
+evaluation) and rerun from there with an evaluation every d steps in the interval, so its steps
+to target are read to d steps or better; the reference evaluates every d steps in the interval
+before the target's step. ``steps_to_target_resolution`` is the width of the crossing interval
+finally measured and ``target_bracket`` the interval; ``steps_to_target_interp`` and
+``moe_time_to_target_interp_s`` are an estimate inside it (the straight line between the two
+evaluations meets the target), never a measurement.
 """
 
 from __future__ import annotations
@@ -27,15 +40,19 @@ from pathlib import Path
 import numpy as np
 
 from lrmoe.systems import REFERENCE_SYSTEM, spec_of
+from lrmoe.train import checkpoint
 from lrmoe.train.config import ConfigError, RunConfig, dump_toml, parse_system_name
+from lrmoe.train.files import atomic_write
 from lrmoe.train.launch import launch
 from lrmoe.train.metrics import read_metrics
 from lrmoe.train.plots import plots
+from lrmoe.train.rendezvous import current_rendezvous
 from lrmoe.train.report import report
 
 RESULT_KEYS = ("status", "steps_to_target", "moe_time_to_target_s", "final_val_loss", "steps_run", "bwd_a2a_bytes",
                "peak_expert_side_bytes", "a2a_bytes", "placement_bytes", "mean_kept_ratio", "replica_slots",
-               "memory_cap_bytes", "oom_step", "moe_ms_per_step", "mean_load_cv")
+               "memory_cap_bytes", "oom_step", "moe_ms_per_step", "mean_load_cv", "steps_to_target_resolution",
+               "steps_to_target_interp", "moe_time_to_target_interp_s")
 
 
 def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunConfig:
@@ -65,15 +82,49 @@ def finished(cfg: RunConfig, folder: Path) -> bool:
     return summary.exists() and config.exists() and config.read_text() == dump_toml(cfg.to_dict())
 
 
+def crossing(records: list[dict], target: float) -> tuple[dict | None, dict] | None:
+    """(the evaluation before the first one at or below ``target``, or None when that is the
+    run's first; the first one) of a run's records; None: the target was not reached."""
+    evals = [r for r in records if "val_loss" in r and "oom" not in r]
+    for i, r in enumerate(evals):
+        if r["val_loss"] <= target:
+            return (evals[i - 1] if i else None), r
+    return None
+
+
+def interpolate(records: list[dict], target: float, before: dict | None, hit: dict) -> tuple[float, float] | None:
+    """An estimate, not a measurement: (the step where the straight line between the evaluations
+    ``before`` and ``hit`` meets ``target``, the cumulative MoE time there, interpolated between
+    the steps' records). None without an evaluation before ``hit``."""
+    if before is None:
+        return None
+    v0, v1 = before["val_loss"], hit["val_loss"]
+    frac = (v0 - target) / (v0 - v1)  # v0 > target >= v1
+    step = before["step"] + frac * (hit["step"] - before["step"])
+    timed = sorted((r["step"], r["moe_time_s"]) for r in records if "oom" not in r and "moe_time_s" in r)
+    steps, times = zip(*timed)
+    return float(step), float(np.interp(step, steps, times))
+
+
 def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int] | None = None) -> dict:
     """One system's results from its ``metrics.jsonl``: when it reached ``target`` (``status``
-    ``reached``, ``never`` within its steps, or ``oom``: a call did not fit the memory cap), and totals."""
+    ``reached``, ``never`` within its steps, or ``oom``: a call did not fit the memory cap), at
+    what resolution (the crossing interval; an interpolated estimate inside it), and totals."""
     records = read_metrics(folder)
     oom = next((r for r in records if "oom" in r), None)
     rows = [r for r in records if "oom" not in r]
     evals = [r for r in rows if "val_loss" in r]
-    hit = next((r for r in evals if r["val_loss"] <= target), None)
+    before, hit = crossing(rows, target) or (None, None)
+    estimate = interpolate(rows, target, before, hit) if hit else None
+    start = before["step"] if before else 0
+    summary = folder / "summary.json"
+    dense = json.loads(summary.read_text()).get("dense_eval") if summary.exists() else None
     return {
+        "target_bracket": [start, hit["step"]] if hit else None,
+        "steps_to_target_resolution": hit["step"] - start if hit else None,
+        "steps_to_target_interp": estimate[0] if estimate else None,
+        "moe_time_to_target_interp_s": estimate[1] if estimate else None,
+        "dense_eval": dense,
         "status": "reached" if hit else ("oom" if oom else "never"),
         "oom_step": oom["step"] if oom else None,
         "oom": oom["oom"] if oom else None,
@@ -101,6 +152,55 @@ def target_from_reference(folder: Path, step: int) -> float:
         if r["step"] == step and "val_loss" in r:
             return r["val_loss"]
     raise RuntimeError(f"{REFERENCE_SYSTEM}'s run has no validation loss at step {step}")
+
+
+def reference_eval_at(cfg: RunConfig) -> tuple[int, ...]:
+    """The reference's evaluations beyond every ``eval_every`` steps: the target's step and, every
+    ``compare.dense_eval_every`` steps, the evaluation interval that ends there."""
+    _, at, _ = budget_steps(cfg)
+    d, start = cfg.compare.dense_eval_every, (at - 1) // cfg.train.eval_every * cfg.train.eval_every
+    return (*(range(start + d, at, d) if d else ()), at)
+
+
+def with_dense_checkpoints(cfg: RunConfig) -> RunConfig:
+    """A compared system's run config: checkpoints at every evaluation (``train.checkpoint_every``
+    left at 0 becomes ``eval_every``) where :func:`refine` may need to roll it back."""
+    d, t = cfg.compare.dense_eval_every, cfg.train
+    return cfg.with_train(checkpoint_every=t.eval_every) if 0 < d < t.eval_every and not t.checkpoint_every else cfg
+
+
+def refine(cfg: RunConfig, folder: Path, target: float, max_steps: int) -> None:
+    """Dense evaluation where the run in ``folder`` crossed ``target``: if its crossing interval
+    (the evaluation before the first at or below the target, that one] is wider than
+    ``compare.dense_eval_every`` (d), roll the run back to its newest checkpoint at or before the
+    interval's start (a fresh start without one) and rerun it to the target with an evaluation
+    every d steps in the interval. The rerun's training losses on the steps both runs made are
+    compared (``rerun_loss_max_abs_diff``: 0 when the rerun repeats the run exactly) and kept
+    with the interval in ``summary.json``'s ``dense_eval``."""
+    d = cfg.compare.dense_eval_every
+    records = read_metrics(folder)
+    found = crossing(records, target)
+    if not d or found is None:
+        return
+    before, hit = found
+    start, end = (before["step"] if before else 0), hit["step"]
+    if end - start <= d:
+        return
+    resume_at = max((s for s in checkpoint.candidates(folder) if s <= start), default=0)
+    print(f"-- {folder.name}: target crossed in ({start}, {end}]; rerun from step {resume_at} with an "
+          f"evaluation every {d} steps there", flush=True)
+    lead = current_rendezvous().prepares_out
+    if resume_at and lead:
+        atomic_write(folder / "ckpt" / "latest", lambda f: f.write(str(resume_at).encode()))
+    first = {r["step"]: r["loss"] for r in records if "loss" in r and "oom" not in r}
+    summary = launch(cfg, folder, resume=resume_at > 0, max_steps=max_steps, stop_at=target,
+                     eval_at=(*range(start + d, end, d), end))
+    again = {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r and "oom" not in r}
+    both = [s for s in again if resume_at < s <= end and s in first]
+    summary["dense_eval"] = {"every": d, "interval": [start, end], "from_step": resume_at, "rerun_steps": len(both),
+                             "rerun_loss_max_abs_diff": max((abs(again[s] - first[s]) for s in both), default=None)}
+    if lead:
+        (folder / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def budget_steps(cfg: RunConfig) -> tuple[int, int, int]:
@@ -131,22 +231,24 @@ def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: boo
     # every listed system runs capped, the reference too if it is listed
     ref_run = ref if cap is None else f"{ref}-uncapped"
 
-    def run(name: str, folder: str, base: RunConfig, **kw) -> dict:
-        run_cfg = system_config(base, name, trace=out / ref_run / "routing.npz")
+    def run(name: str, folder: str, run_cfg: RunConfig, **kw) -> dict:
         if resume and finished(run_cfg, out / folder):
             print(f"-- {folder}: finished earlier, kept (--resume)", flush=True)
             return json.loads((out / folder / "summary.json").read_text())
         print(f"-- {folder}", flush=True)
         return launch(run_cfg, out / folder, **kw)
 
+    trace = out / ref_run / "routing.npz"
     if reference_done:
         summary = json.loads((out / ref_run / "summary.json").read_text())
     else:
-        summary = run(ref, ref_run, uncapped, eval_at=(target_step,))
+        summary = run(ref, ref_run, system_config(uncapped, ref, trace), eval_at=reference_eval_at(cfg))
     target = cfg.compare.target_loss or target_from_reference(out / ref_run, target_step)
     others = [n for n in systems if n != ref_run and not (cap is None and n == ref)]
     for name in others:
-        run(name, name, cfg, max_steps=max_steps, stop_at=target)
+        run_cfg = with_dense_checkpoints(system_config(cfg, name, trace))
+        run(name, name, run_cfg, max_steps=max_steps, stop_at=target)
+        refine(run_cfg, out / name, target, max_steps)
     names = [ref_run, *others]
     results = {name: summarise(name, out / name, target, None if name == ref_run else cap) for name in names}
     doc = {"target_loss": target, "unigram_loss": summary["unigram_loss"],

@@ -119,8 +119,16 @@ class CompareConfig:
     budget_factor: float = 1.5  # the others may run this many times static's steps
     target_loss: float | None = None  # a given target instead
     reference: str = REFERENCE_SYSTEM  # the target's run: this system, without the memory cap
+    dense_eval_every: int = 5  # where the target was crossed, evaluate every this many steps (0: off)
+    seeds: tuple[int, ...] = ()  # several: the whole comparison once per seed, then mean and spread
 
     def __post_init__(self) -> None:
+        require_int("compare.dense_eval_every", self.dense_eval_every, 0)
+        seeds = self.seeds
+        if not isinstance(seeds, tuple) or not all(is_int_at_least(v, 0) for v in seeds) \
+                or len(set(seeds)) != len(seeds):
+            shown = list(seeds) if isinstance(seeds, tuple) else seeds
+            raise ConfigError(f"compare.seeds={shown!r} is invalid: expected distinct integers >= 0")
         for s in (*self.systems, self.reference):
             try:
                 parse_system_name(s)
@@ -168,6 +176,8 @@ def _table(raw: dict, name: str, cls, **extra):
         raise ConfigError(f"[{name}] has unknown keys {sorted(unknown)}: expected {sorted(known)}")
     if "systems" in table:
         table["systems"] = tuple(table["systems"])
+    if isinstance(table.get("seeds"), list):
+        table["seeds"] = tuple(table["seeds"])
     try:
         return cls(**table, **extra)
     except ValueError as e:

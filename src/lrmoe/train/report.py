@@ -12,7 +12,7 @@ from lrmoe.train.plots import Outcome, figures, legend_label, line_styles, outco
 # the plots lived here before the split: their names stay importable from this module
 
 __all__ = ["Outcome", "breakdown", "figures", "legend_label", "line_styles", "outcome", "plots", "report",
-           "rolling_mean"]
+           "rolling_mean", "seeds_report"]
 
 
 def breakdown(systems: dict[str, dict], baseline: str = REPLICATED_BASELINE) -> list[str]:
@@ -41,10 +41,14 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
         "# lrmoe compare", "",
         f"Target validation loss: **{target:.4f}** (unigram loss of the corpus: {unigram:.4f}; "
         f"the target is {100 * (1 - target / unigram):.1f}% below it).", "",
-        "| system | steps to target | MoE time to target (s) | final val loss | steps run | a2a bytes / step | "
+        "Steps to target: the first evaluation at or below the target; *crossed in*: the interval between "
+        "it and the evaluation before it (the resolution of the measurement); *interpolated*: where the "
+        "straight line between those two evaluations meets the target, an estimate.", "",
+        "| system | steps to target | crossed in | MoE time to target (s) | interpolated: steps / MoE s | "
+        "final val loss | steps run | a2a bytes / step | "
         "bwd a2a bytes / step | peak expert-side bytes | memory cap | replica slots | mean kept ratio | "
         "placement bytes | MoE ms / step | load CV |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(v, spec):
@@ -55,8 +59,12 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
         cap = r.get("memory_cap_bytes")
         cap = max(cap) if isinstance(cap, list) else cap
         to_target = f"oom at step {r['oom_step']}" if r.get("status") == "oom" else fmt(r["steps_to_target"], "d")
+        bracket = r.get("target_bracket")
+        crossed = "-" if not bracket else f"({bracket[0]}, {bracket[1]}]"
+        interp = r.get("steps_to_target_interp")
+        estimate = "-" if interp is None else f"{interp:.1f} / {r['moe_time_to_target_interp_s']:.2f}"
         lines.append(
-            f"| {name} | {to_target} | {fmt(r['moe_time_to_target_s'], '.2f')} | "
+            f"| {name} | {to_target} | {crossed} | {fmt(r['moe_time_to_target_s'], '.2f')} | {estimate} | "
             f"{fmt(r['final_val_loss'], '.4f')} | {r['steps_run']} | {r['a2a_bytes'] // steps:,} | "
             f"{r['bwd_a2a_bytes'] // steps:,} | {r['peak_expert_side_bytes']:,} | "
             f"{'none' if cap is None else format(cap, ',')} | {fmt(r.get('replica_slots'), '.2f')} | "
@@ -64,5 +72,46 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
             f"{fmt(r.get('moe_ms_per_step'), '.1f')} | {fmt(r.get('mean_load_cv'), '.2f')} |")
     lines += ["", *breakdown(systems), "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
     text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def _mean_range(r: dict, key: str, spec: str) -> str:
+    """``mean [min–max]`` of ``key`` over the seeds that reached the target; ``never`` for none."""
+    if r.get(f"{key}_mean") is None:
+        return "never"
+    return f"{r[f'{key}_mean']:{spec}} [{r[f'{key}_min']:{spec}}–{r[f'{key}_max']:{spec}}]"
+
+
+def seeds_report(out: Path, doc: dict) -> str:
+    """Write ``report.md`` of a comparison over seeds (:func:`lrmoe.train.sweep.aggregate`'s
+    document): per system, mean [min–max] and sample standard deviation of steps and MoE time to
+    target over the seeds that reached it; return its text."""
+    seeds = doc["seeds"]
+    targets = ", ".join(f"seed {s}: {doc['target_losses'][str(s)]:.4f}" for s in seeds)
+    lines = [
+        f"# lrmoe compare, {len(seeds)} seeds ({', '.join(map(str, seeds))})", "",
+        f"Target validation loss per seed (its own reference's): {targets}. Each seed's comparison: "
+        f"`seed-<s>/report.md`.", "",
+        "Over the seeds that reached the target: mean [min–max]; std: sample standard deviation (n − 1).", "",
+        "| system | reached | steps to target | std | MoE time to target (s) | std | interpolated steps (estimate) | "
+        "coarsest crossing interval | final val loss (mean) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def std(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for name, r in doc["systems"].items():
+        reached = f"{r['seeds_reached']}/{r['seeds_run']}"
+        if r["status"] == "oom":
+            reached += f" (oom at step {r['oom_step']})"
+        res = r.get("steps_to_target_resolution")
+        lines.append(
+            f"| {name} | {reached} | {_mean_range(r, 'steps_to_target', '.1f')} | "
+            f"{std(r['steps_to_target_std'], '.1f')} | {_mean_range(r, 'moe_time_to_target_s', '.2f')} | "
+            f"{std(r['moe_time_to_target_s_std'], '.2f')} | {_mean_range(r, 'steps_to_target_interp', '.1f')} | "
+            f"{'-' if res is None else format(res, 'g')} | {std(r.get('final_val_loss'), '.4f')} |")
+    text = "\n".join([*lines, ""])
     (out / "report.md").write_text(text)
     return text

@@ -1,4 +1,5 @@
-"""``lrmoe compare --memory-caps A,B,C``: the same comparison at several per-rank memory caps.
+"""``lrmoe compare --memory-caps A,B,C``: the same comparison at several per-rank memory caps;
+``lrmoe compare --seeds 0,1,2``: the same comparison at several seeds (:func:`run_seeds`).
 
 The reference (``static`` without a cap) runs once, into ``out/<reference>-uncapped``; each cap
 then gets its own comparison in ``out/cap-<label>/`` (the reference linked in, so every cap
@@ -12,6 +13,16 @@ what static needs") independently of the model's shape.
 Written to ``out``: ``sweep.json`` (``{"target_loss", "reference_peak_bytes", "reference":
 {"name", results.json's entry}, "caps": [{"label", "memory_cap_bytes", "folder"}], "systems":
 {name: [per cap: results.json's entry]}}``) and ``sweep.png``.
+
+With ``--seeds`` every seed's comparison (``train.seed`` and ``backward.seed`` set to the seed:
+another initialisation, data order and selection stream; the target from that seed's own
+reference) goes to ``out/seed-<s>/``, and ``out/results.json`` gathers them (:func:`aggregate`):
+results.json's keys, per system, with ``steps_to_target`` and ``moe_time_to_target_s`` the mean
+when every seed reached the target (else null, ``status`` then ``oom`` or ``never``), the other
+figures means over the seeds, plus ``seeds_run``, ``seeds_reached`` and, over the seeds that
+reached the target, ``<key>_mean``, ``_std`` (sample standard deviation, n − 1; null for one seed),
+``_min`` and ``_max`` of ``steps_to_target``, ``moe_time_to_target_s`` and
+``steps_to_target_interp``; ``per_seed`` holds every seed's own entries.
 """
 
 from __future__ import annotations
@@ -19,14 +30,16 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
 from lrmoe.config import ClusterBudget
-from lrmoe.train.compare import budget_steps, finished, run_compare, system_config
-from lrmoe.train.config import ConfigError, RunConfig
+from lrmoe.train.compare import RESULT_KEYS, finished, reference_eval_at, run_compare, system_config
+from lrmoe.train.config import ConfigError, RunConfig, dump_toml, require_int
 from lrmoe.train.launch import launch
 from lrmoe.train.metrics import read_metrics
+from lrmoe.train.report import seeds_report
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 _CAP = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -80,12 +93,11 @@ def run_sweep(cfg: RunConfig, systems: tuple[str, ...], caps: list[str], out: Pa
     ref_run = f"{ref}-uncapped"
     uncapped = replace(cfg, budget=None if cfg.budget is None else replace(cfg.budget, memory_bytes=None))
     ref_cfg = system_config(uncapped, ref)
-    _, target_step, _ = budget_steps(cfg)
     if resume and finished(ref_cfg, out / ref_run):
         print(f"-- {ref_run}: finished earlier, kept (--resume)", flush=True)
     else:
         print(f"-- {ref_run} (the sweep's reference, no cap)", flush=True)
-        launch(ref_cfg, out / ref_run, eval_at=(target_step,))
+        launch(ref_cfg, out / ref_run, eval_at=reference_eval_at(cfg))
     peak = max((r.get("peak_expert_side_bytes", 0) for r in read_metrics(out / ref_run) if "oom" not in r),
                default=0)
     points, docs = [], []
@@ -173,3 +185,82 @@ def plot_sweep(doc: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+SPREAD_KEYS = ("steps_to_target", "moe_time_to_target_s", "steps_to_target_interp")
+# null in the seeds' entry unless every seed reached the target
+TO_TARGET = (*SPREAD_KEYS, "moe_time_to_target_interp_s", "steps_to_target_resolution")
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 0,1,2``: distinct integers >= 0, at least one."""
+    try:
+        seeds = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        seeds = ()
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ConfigError(f"--seeds={text!r} is invalid: expected distinct integers >= 0, comma-separated (0,1,2)")
+    return seeds
+
+
+def seed_config(cfg: RunConfig, seed: int) -> RunConfig:
+    """``cfg`` at ``seed``: ``train.seed`` (initialisation, data order) and ``backward.seed`` (the
+    selection's stream) set to it; a single comparison (``compare.seeds`` emptied)."""
+    return replace(cfg.with_train(seed=require_int("seed", seed, 0)), backward=replace(cfg.backward, seed=seed),
+                   compare=replace(cfg.compare, seeds=()))
+
+
+def spread(values: list[float], key: str) -> dict:
+    """``key``'s mean, sample standard deviation (n − 1; None below two values), min and max."""
+    return {f"{key}_mean": statistics.fmean(values) if values else None,
+            f"{key}_std": statistics.stdev(values) if len(values) > 1 else None,
+            f"{key}_min": min(values, default=None), f"{key}_max": max(values, default=None)}
+
+
+def seed_entry(runs: list[dict]) -> dict:
+    """One system's results.json entries of every seed as one (see the module's docstring)."""
+    reached = [r for r in runs if r["status"] == "reached"]
+    every = len(reached) == len(runs)
+    entry = {}
+    for key in RESULT_KEYS:  # means over the seeds with a number there
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+        entry[key] = statistics.fmean(values) if values and (every or key not in TO_TARGET) else None
+    oom_steps = [r["oom_step"] for r in runs if r.get("oom_step") is not None]
+    entry.update(status="reached" if every else ("oom" if any(r["status"] == "oom" for r in runs) else "never"),
+                 oom_step=min(oom_steps, default=None), memory_cap_bytes=runs[0]["memory_cap_bytes"],
+                 seeds_run=len(runs), seeds_reached=len(reached))
+    if every:  # the coarsest crossing interval of any seed
+        entry["steps_to_target_resolution"] = max(r["steps_to_target_resolution"] for r in runs)
+    for key in SPREAD_KEYS:
+        entry.update(spread([r[key] for r in reached if r.get(key) is not None], key))
+    return entry
+
+
+def aggregate(docs: dict[int, dict]) -> dict:
+    """The seeds' results.json documents (seed → document) as one (the module's docstring)."""
+    names = list(dict.fromkeys(n for d in docs.values() for n in d["systems"]))
+    systems = {n: seed_entry([d["systems"][n] for d in docs.values() if n in d["systems"]]) for n in names}
+    targets = [d["target_loss"] for d in docs.values()]
+    return {"seeds": list(docs), "target_loss": statistics.fmean(targets),
+            "target_losses": {str(s): d["target_loss"] for s, d in docs.items()},
+            "unigram_loss": next(iter(docs.values()))["unigram_loss"], "systems": systems,
+            "per_seed": {str(s): d["systems"] for s, d in docs.items()},
+            "folders": {str(s): f"seed-{s}" for s in docs}}
+
+
+def run_seeds(cfg: RunConfig, systems: tuple[str, ...], seeds: tuple[int, ...], out: Path,
+              resume: bool = False) -> dict:
+    """:func:`run_compare` once per seed into ``out/seed-<s>/``; ``out/results.json`` (:func:`aggregate`),
+    ``report.md`` (mean and spread per system) and ``config.toml``."""
+    for name in systems:
+        system_config(cfg, name)
+    docs = {}
+    for seed in seeds:
+        print(f"== seed {seed}", flush=True)
+        docs[seed] = run_compare(seed_config(cfg, seed), systems, out / f"seed-{seed}", resume=resume)
+    doc = aggregate(docs)
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    (out / "config.toml").write_text(dump_toml(replace(cfg, compare=replace(cfg.compare, seeds=seeds)).to_dict()))
+    print(seeds_report(out, doc))
+    print(f"seeds: {out}/results.json, {out}/report.md; each seed's comparison in {out}/seed-*/")
+    return doc
