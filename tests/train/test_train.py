@@ -172,3 +172,18 @@ def test_memory_cap_oom_recorded(pool2, tmp_path):
     assert results["static"]["status"] == "oom" and results["static"]["oom_step"] == 1
     assert results["lrmoe"]["status"] == "never" and results["lrmoe"]["steps_run"] == 3
     assert "| static | oom at step 1 |" in report(tmp_path, 0.0, 1.0, results)
+
+
+def test_capped_exact_system_records_its_keep_mode_and_chunks(pool2, tmp_path):
+    """static under a cap below its peak trains by keeping x alone and chunking: every record
+    says so (``keep_modes`` per layer, the fewest rows computed at once), within the cap."""
+    pool2.run(2, train_case, {"system": "static", "steps": 2}, str(tmp_path / "free"))
+    free = [json.loads(line) for line in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["keep_modes"] == ["x+acts"] * len(r["keep_modes"]) and "fwd_chunk_rows" not in r for r in free)
+    cap = int(0.45 * max(r["peak_expert_side_bytes"] for r in free))
+    summary = pool2.run(2, train_case, {"system": "static", "steps": 2, "budget": {"memory_bytes": cap}},
+                        str(tmp_path / "capped"))
+    assert summary[0]["status"] == "done"
+    rows = [json.loads(line) for line in (tmp_path / "capped" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["peak_expert_side_bytes"] <= cap and "x" in r["keep_modes"] for r in rows), rows
+    assert all(min(r["bwd_chunk_rows"], r["fwd_chunk_rows"]) >= 1 for r in rows)

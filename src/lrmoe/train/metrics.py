@@ -23,6 +23,8 @@
 | ``wall_s`` | wall-clock seconds of training since step 1, across resumes (model building excluded) |
 | ``skipped`` | the step was skipped for a non-finite loss or gradient |
 | ``replica_slots`` | expert copies held per rank, mean over layers and ranks |
+| ``keep_modes`` | per MoE layer: what its expert side kept to the backward (``x+acts``, ``x``, ``nothing``) |
+| ``fwd_chunk_rows``, ``bwd_chunk_rows`` | under a cap: fewest rows computed at once, min over layers and ranks |
 
 ``summary.json`` (rank 0, at the end): ``steps`` run, ``val`` (one ``{"step", "loss",
 "moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``unigram_loss`` (the corpus's
@@ -63,6 +65,7 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
                       dtype=torch.float64)
     all_reduce(mx, groups.world_group, dist.ReduceOp.MAX)
     all_reduce(sm, groups.world_group)
+    chunks = _fewest_rows_at_once(stats, groups)
     counts = torch.stack([s["counts_E"].to(torch.float64) for s in stats]) if stats else torch.zeros(0, 1)
     kept = torch.stack([s["kept_E"].to(torch.float64) for s in stats]) if stats else torch.zeros(0, 1)
     both = torch.stack([counts, kept]) if stats else torch.zeros(2, 0, 1)
@@ -77,8 +80,22 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
         "load_min": counts.min(1).values.tolist(), "load_max": counts.max(1).values.tolist(),
         "load_cv": (counts.std(1, unbiased=False) / mean).tolist(),
         "replica_slots": float(sm[4]) / groups.world,  # mean over layers, then over ranks
+        **({"keep_modes": [s["keep_mode"] for s in stats]} if all("keep_mode" in s for s in stats) and stats else {}),
+        **chunks,
         "_counts": counts,
     }
+
+
+def _fewest_rows_at_once(stats: list[dict], groups: Groups) -> dict:
+    """``fwd_chunk_rows`` / ``bwd_chunk_rows``: the fewest rows any layer call computed at once,
+    min over layers and ranks (collective where a capped call reported them: the same on every rank)."""
+    keys = [k for k in ("fwd_chunk_rows", "bwd_chunk_rows") if any(k in s for s in stats)]
+    if not keys:
+        return {}
+    none = float(2**62)
+    fewest = torch.tensor([min((s[k] for s in stats if k in s), default=none) for k in keys], dtype=torch.float64)
+    all_reduce(fewest, groups.world_group, dist.ReduceOp.MIN)
+    return {k: int(v) for k, v in zip(keys, fewest.tolist())}
 
 
 def read_metrics(folder: Path) -> list[dict]:
