@@ -137,7 +137,7 @@ def test_parse_seeds_rejects(text):
 
 def test_seeds_run_every_system_per_seed(tmp_path, monkeypatch):
     from lrmoe.sim.target import StepsToTarget
-    from tests.train.test_compare import FakeRuns, curve
+    from tests.helpers.compare import FakeRuns, curve
 
     runs = FakeRuns()
     monkeypatch.setattr(compare, "launch", runs)
