@@ -17,16 +17,16 @@ from lrmoe import BackwardConfig, MoEConfig, MoELayer
 
 
 def allocator_peak(fn) -> int:
-    """Peak bytes allocated during ``fn`` above what existed before (CPU allocator timeline)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    """Peak bytes allocated during ``fn`` above what existed before: the CPU allocator's memory
+    events in time order (allocations positive, frees negative; the profiler drops frees of
+    blocks allocated before it started). Read from the raw events rather than the profiler's
+    memory timeline, whose graph analysis fails on some op sequences in a long-lived worker."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     now = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action.name == "CREATE":
-            now += size
-        elif action.name == "DESTROY":
-            now -= size
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        now += e.nbytes()
         peak = max(peak, now)
     return peak
 
