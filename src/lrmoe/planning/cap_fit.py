@@ -13,14 +13,12 @@ from typing import TypeVar
 import torch
 
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.memory.bytes import KEEP_X, KEEP_X_ACTS, kept_to_backward, spec_keep
+from lrmoe.memory.bytes import KEEP_X, KEEP_X_ACTS, spec_keep
 from lrmoe.memory.replay import RankWork
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.peaks import Fit, RankPeaks
 from lrmoe.planning.placement import Placement
-from lrmoe.systems import TRIMMING_SYSTEM, Assignment, BackwardKind, PlacementKind, names_where
-
-RECOMPUTING = names_where(backward=BackwardKind.RECOMPUTE)[0]  # static placement, expert activations recomputed
+from lrmoe.systems import TRIMMING_SYSTEM, Assignment, PlacementKind
 
 Assign = Callable[[torch.Tensor, Placement, "list[int] | None"], PairAssignment]
 T = TypeVar("T")
@@ -73,6 +71,19 @@ class CapFitter:
             return fit
         return bounded if bounded.ok else fit
 
+    def longest_prefix(self, make: Callable[[int], Placement], n: int, forward_SE: torch.Tensor,
+                       training: bool) -> tuple[int, Fit]:
+        """(k, fit) for the largest k ≤ ``n`` whose placement ``make(k)`` fits (per-call copies
+        dropped from the end of their list, down to none). Raises :class:`MemoryBudgetExceeded`
+        where not even ``make(0)`` fits."""
+        failed = []
+        for k in range(n, -1, -1):
+            fit = self.fit(forward_SE, make(k), training)
+            if fit.ok:
+                return k, fit
+            failed.append(fit)
+        raise self.exceeded(failed)
+
     def search_slots(self, make: Callable[[list[int]], Placement], slots_R: list[int], forward_SE: torch.Tensor,
                      training: bool) -> SlotSearch:
         """The most slots, from ``slots_R`` down, whose placement (``make(slots)``) fits: one slot
@@ -102,19 +113,14 @@ class CapFitter:
 
     def exceeded(self, failed: list[Fit]) -> MemoryBudgetExceeded:
         """The error for the plan that came closest (smallest overflow), at its worst rank."""
-        M, spec = self.memory_R, self.peaks.spec
+        M = self.memory_R
         best = min(failed, key=lambda f: max(p - m for p, m in zip(f.peak_R, M)))
         r = max(range(self.peaks.world), key=lambda r: (best.peak_R[r] - M[r], -r))
         rows = best.assignment.rows_R()[r]
-        keeps = kept_to_backward(spec, self.peaks.keep, chunked=False)
-        kept = ("x and activations of every row kept to the backward" if keeps.acts
-                else "x of every row kept to the backward, its forward and backward chunked")
-        helps = "a larger cap or fewer tokens per call would help"
-        if keeps.acts:
-            helps += (f", or a system that keeps less to the backward ({RECOMPUTING}: rows only; "
-                      f"{TRIMMING_SYSTEM}: nothing)")
-        else:
-            helps += f", or a system that trims its backward ({TRIMMING_SYSTEM})"
+        # the error a call raises is its leanest fitter's (first_that_fits): x kept, chunked
+        kept = "x of every row kept to the backward, its forward and backward chunked"
+        helps = ("a larger cap or fewer tokens per call would help, or a system that trims its backward "
+                 f"({TRIMMING_SYSTEM})")
         tried = "no plan with fewer expert copies fits either; " if self.varies_copies else ""
         return MemoryBudgetExceeded(
             r, best.peak_R[r], M[r],

@@ -109,10 +109,5 @@ class LeastLoaded(PlacementStrategy):
 
     def fit_call(self, counts_SE, slots_R, fitter, forward_SE, training):
         spills = self._spills(counts_SE)
-        failed = []
-        for k in range(len(spills), -1, -1):
-            fit = fitter.fit(forward_SE, self._with(spills[:k]), training)
-            if fit.ok:
-                return fit, self.figures(fit.placement)
-            failed.append(fit)
-        raise fitter.exceeded(failed)
+        _, fit = fitter.longest_prefix(lambda k: self._with(spills[:k]), len(spills), forward_SE, training)
+        return fit, self.figures(fit.placement)

@@ -32,13 +32,8 @@ class Shadowing(PlacementStrategy):
     def fit_call(self, counts_SE, slots_R, fitter, forward_SE, training):
         load = counts_SE.sum(0).tolist()
         shadow = sorted(shadow_experts(counts_SE, self.base, self.inputs.costs), key=lambda e: (-load[e], e))
-        failed = []
-        for k in range(len(shadow), -1, -1):
-            fit = fitter.fit(forward_SE, self._shadowed(shadow[:k]), training)
-            if fit.ok:
-                return fit, PlanFigures(shadowed_experts=k)
-            failed.append(fit)
-        raise fitter.exceeded(failed)
+        k, fit = fitter.longest_prefix(lambda k: self._shadowed(shadow[:k]), len(shadow), forward_SE, training)
+        return fit, PlanFigures(shadowed_experts=k)
 
 
 def _shadow_time(counts_SE: np.ndarray, owner_E: np.ndarray, shadow: np.ndarray, cost: CostModel) -> float:
