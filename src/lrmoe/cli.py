@@ -1,10 +1,10 @@
 """``lrmoe train | compare | simulate``: the command line.
 
     lrmoe train    --config FILE [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
-                   [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--max-restarts R]
+                   [--steps N] [--data PATH] [--hf-model DIR] [--out DIR] [--resume | --overwrite] [--max-restarts R]
                    [RENDEZVOUS]
     lrmoe compare  --config FILE [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
-                   [--steps N] [--data PATH] [--out DIR] [--resume | --overwrite] [--memory-caps A,B,C]
+                   [--steps N] [--data PATH] [--hf-model DIR] [--out DIR] [--resume | --overwrite] [--memory-caps A,B,C]
                    [--seeds S,T,U] [RENDEZVOUS]
     lrmoe simulate --model NAME --gpus N --gpu-memory GIB[,GIB...] --out DIR [options]
 
@@ -20,6 +20,7 @@ in the launcher or inside a rank, exits with status 2 and one line on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def _common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ep-size", type=int, help="ranks per expert-parallel group (default: all)")
     ap.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
     ap.add_argument("--data", help="a text file or a folder of text files (default: the built-in corpus)")
+    ap.add_argument("--hf-model", metavar="DIR",
+                    help="train a local transformers checkpoint folder (config, weights, tokenizer) instead of "
+                         "[model]: its MoE blocks become the system's layers; its tokenizer reads --data; "
+                         "save_pretrained output goes to out/hf and each checkpoint (overrides train.hf_model)")
     ap.add_argument("--overwrite", action="store_true", help="replace the earlier outputs in a used --out")
     rz = ap.add_argument_group("rendezvous (torchrun's; none of them: one machine, torchrun --standalone)")
     rz.add_argument("--nnodes", type=int, default=1,
@@ -77,7 +82,10 @@ def _rendezvous(args: argparse.Namespace) -> Rendezvous:
 def _resolve(args: argparse.Namespace) -> RunConfig:
     """The config file with ``--set``, ``--system`` and the flags applied, checked before any
     rank starts (config, data, routing trace, the corpus's size against one global batch)."""
-    cfg = load(args.config, args.set)
+    sets = list(args.set)
+    if args.hf_model:  # as train.hf_model, so a [model] it fixes is refused the same way; absolute for the ranks
+        sets.append(f"train.hf_model={json.dumps(str(Path(args.hf_model).resolve()))}")
+    cfg = load(args.config, sets)
     if getattr(args, "system", None):
         from lrmoe.train.compare import system_config
 

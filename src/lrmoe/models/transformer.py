@@ -159,7 +159,12 @@ class MoETransformer(nn.Module):
 
     def loss(self, ids_BS: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(total loss with aux losses, language-model cross entropy)."""
-        logits = self(ids_BS)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets_BS.reshape(-1))
-        aux = sum((layer.aux_loss for layer in self.moe_layers), ce.new_zeros(()))
-        return ce + aux, ce
+        return lm_loss(self(ids_BS), targets_BS, self.moe_layers)
+
+
+def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor,
+            layers: list[MoELayer]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-token cross entropy plus the aux losses of ``layers``' last forward, the cross entropy)."""
+    ce = F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+    aux = sum((layer.aux_loss for layer in layers), ce.new_zeros(()))
+    return ce + aux, ce

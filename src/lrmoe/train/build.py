@@ -13,11 +13,15 @@ from lrmoe.models import ModelConfig, MoETransformer
 from lrmoe.systems import spec_of
 from lrmoe.train.config import ConfigError, RunConfig
 from lrmoe.train.groups import Groups
+from lrmoe.train.hf_model import HFCausalLM, build_hf_model
 
 
-def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransformer:
-    """The model with EP layers, initialised from the world-size-1 model of the same seed, so
-    every system, world size and EP layout starts from identical weights."""
+def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransformer | HFCausalLM:
+    """The model with EP layers, initialised from the world-size-1 model of the same seed (or
+    loaded from ``train.hf_model``), so every system, world size and EP layout starts from
+    identical weights."""
+    if cfg.train.hf_model:
+        return build_hf_model(cfg, vocab_size, groups)
     model_cfg = replace(cfg.model, vocab_size=vocab_size)
     torch.manual_seed(cfg.train.seed)
     full = MoETransformer(model_cfg).state_dict()

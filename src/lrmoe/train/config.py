@@ -20,6 +20,10 @@ from lrmoe.systems import parse_system_name as _parse_system_name
 from lrmoe.train.data import DEFAULT_CORPUS
 
 
+# what [model] still sets when train.hf_model names a transformers checkpoint: the window length
+HF_MODEL_KEYS = {"seq_len"}
+
+
 class ConfigError(ValueError):
     """A user-facing configuration problem: field, value, what is allowed."""
 
@@ -63,6 +67,7 @@ class TrainConfig:
     routing_trace: str = ""  # smartmoe: a routing.npz of an earlier run for its offline pool
     device: str = "auto"  # "auto" (CUDA when available, with NCCL), "cpu" (gloo) or "cuda"
     tensorboard: bool = False  # also write every metrics.jsonl record to out/tensorboard (lrmoe[tensorboard])
+    hf_model: str = ""  # a transformers checkpoint folder to train instead of [model] (its tokenizer too)
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -90,6 +95,9 @@ class TrainConfig:
             raise ConfigError(f"train.device={self.device!r} is invalid: expected 'auto', 'cpu' or 'cuda'")
         if self.on_nonfinite not in ("skip", "stop"):
             raise ConfigError(f"train.on_nonfinite={self.on_nonfinite!r} is invalid: expected 'skip' or 'stop'")
+        if self.hf_model and self.routing_trace:
+            raise ConfigError("train.routing_trace is not supported with train.hf_model: its offline pool is per "
+                              "built-in layer")
         if not isinstance(self.tensorboard, bool):
             raise ConfigError(f"train.tensorboard={self.tensorboard!r} is invalid: expected true or false")
 
@@ -161,7 +169,8 @@ class RunConfig:
         moe = asdict(self.model.moe)
         moe["dtype"] = str(moe["dtype"]).replace("torch.", "")
         model = {f.name: getattr(self.model, f.name) for f in fields(ModelConfig) if f.name != "moe"}
-        out = {"model": {**model, "moe": moe}, "train": asdict(self.train), "backward": asdict(self.backward),
+        model = {k: model[k] for k in HF_MODEL_KEYS} if self.train.hf_model else {**model, "moe": moe}
+        out = {"model": model, "train": asdict(self.train), "backward": asdict(self.backward),
                "compare": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.compare).items()}}
         if self.budget is not None:
             out["budget"] = asdict(self.budget)
@@ -196,6 +205,11 @@ def from_dict(raw: dict) -> RunConfig:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"[model] {e}") from None
     budget = _table(raw, "budget", ClusterBudget) if "budget" in raw else None
+    hf_model = raw.get("train", {}).get("hf_model")
+    shaped = sorted(set(raw.get("model", {})) - HF_MODEL_KEYS)
+    if hf_model and shaped:
+        raise ConfigError(f"[model] {shaped} cannot be set with train.hf_model={hf_model!r}: the checkpoint's "
+                          f"config.json fixes the model; [model] takes only {sorted(HF_MODEL_KEYS)} there")
     return RunConfig(model, _table(raw, "train", TrainConfig), _table(raw, "backward", BackwardConfig), budget,
                      _table(raw, "compare", CompareConfig))
 

@@ -1,9 +1,11 @@
-"""Text → byte-level BPE tokens → packed training windows, identical on every rank.
+"""Text → tokens (a byte-level BPE trained here, or a transformers checkpoint's own tokenizer
+with ``--hf-model``) → packed training windows, identical on every rank.
 
 The default corpus is the shortened English Wikipedia extract that the ``gensim`` wheel ships
 for its own tests (about 3.1 M characters once gensim's wiki filters have run); nothing is
 downloaded. ``--data PATH`` takes a text file or a folder of ``.txt``/``.md`` files instead.
-The extracted text, the trained tokenizer and the token ids are cached by content hash.
+The trained tokenizer and the token ids are cached under a hash of the corpus files (paths,
+sizes, times) and of the checkpoint's tokenizer files.
 
 Splits are deterministic: the last ``val_fraction`` of the token stream is validation. The
 training windows of step s are a seeded permutation's slice [s·B·DP, (s+1)·B·DP); data-parallel
@@ -24,6 +26,7 @@ from lrmoe.train.files import atomic_write
 
 DEFAULT_CORPUS = "gensim:enwiki-shortened"
 TEXT_SUFFIXES = (".txt", ".md", ".text")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 class DataError(ValueError):
@@ -69,18 +72,33 @@ def _cache_dir() -> Path:
     return root
 
 
-def tokenize_corpus(source: str, vocab_size: int) -> tuple[np.ndarray, int]:
-    """Token ids (uint16/int32 numpy) of the corpus and the tokenizer's vocabulary size,
-    training a byte-level BPE on first use and caching both."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
-
+def _corpus_key(source: str, extra: bytes = b"") -> str:
+    """The hex hash of the corpus's name, of every file's path, size and time, and of ``extra``."""
     key = hashlib.sha256(f"{source}|{Path(source).resolve() if source != DEFAULT_CORPUS else ''}".encode())
     if source != DEFAULT_CORPUS:
         for f in ([Path(source)] if Path(source).is_file() else sorted(Path(source).rglob("*"))):
             if f.is_file():
                 st = f.stat()
                 key.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
-    tag = f"{key.hexdigest()[:16]}-v{vocab_size}"
+    key.update(extra)
+    return key.hexdigest()[:16]
+
+
+def _checked(ids: np.ndarray, source: str) -> np.ndarray:
+    if ids.size < 1000:
+        raise DataError(f"--data {source}: only {ids.size} tokens; at least 1000 are needed")
+    return ids
+
+
+def tokenize_corpus(source: str, vocab_size: int, tokenizer: str = "") -> tuple[np.ndarray, int]:
+    """Token ids (uint16/int32 numpy) of the corpus and the tokenizer's vocabulary size: with
+    ``tokenizer`` (a transformers checkpoint folder) that folder's tokenizer, else a byte-level
+    BPE of ``vocab_size`` trained on first use. Both are cached."""
+    if tokenizer:
+        return _hf_tokenize(source, tokenizer)
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+    tag = f"{_corpus_key(source)}-v{vocab_size}"
     cache = _cache_dir()
     tok_path, ids_path = cache / f"{tag}.tokenizer.json", cache / f"{tag}.ids.npy"
     if tok_path.exists() and ids_path.exists():
@@ -89,12 +107,52 @@ def tokenize_corpus(source: str, vocab_size: int) -> tuple[np.ndarray, int]:
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator([text[i : i + 100_000] for i in range(0, len(text), 100_000)],
                             vocab_size=vocab_size, min_frequency=2, show_progress=False)
-    ids = np.asarray(tok.encode(text).ids, dtype=np.int32)
-    if ids.size < 1000:
-        raise DataError(f"--data {source}: only {ids.size} tokens; at least 1000 are needed")
+    ids = _checked(np.asarray(tok.encode(text).ids, dtype=np.int32), source)
     atomic_write(tok_path, lambda f: f.write(tok._tokenizer.to_str().encode()))
     atomic_write(ids_path, lambda f: np.save(f, ids))
     return ids, tok.get_vocab_size()
+
+
+def hf_tokenizer(folder: str):
+    """The tokenizer of a transformers checkpoint folder; a DataError when it has none."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # no warnings about texts longer than the model's context: they are split
+    where = f"--hf-model {folder}: no tokenizer"
+    # transformers falls back to an empty tokenizer for a folder without one: look for its files first
+    if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise DataError(f"{where} ({', '.join(TOKENIZER_FILES)})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise DataError(f"{where} transformers can load: {' '.join(str(e).split())[:200]}") from None
+    if not len(tokenizer):
+        raise DataError(f"{where}: its vocabulary is empty")
+    return tokenizer
+
+
+def _hf_tokenize(source: str, folder: str) -> tuple[np.ndarray, int]:
+    """The corpus through a checkpoint's tokenizer, in pieces of whole lines (no special tokens)."""
+    tok = hf_tokenizer(folder)
+    files = sorted(f for f in Path(folder).iterdir()
+                   if f.is_file() and ("token" in f.name or f.name in ("vocab.json", "merges.txt")))
+    tag = _corpus_key(source, b"".join(f.name.encode() + f.read_bytes() for f in files))
+    ids_path = _cache_dir() / f"{tag}-hf.ids.npy"
+    if ids_path.exists():
+        return np.load(ids_path), len(tok)
+    pieces, piece, size = [], [], 0
+    for line in read_corpus(source).splitlines(keepends=True):
+        piece.append(line)
+        size += len(line)
+        if size >= 100_000:
+            pieces.append("".join(piece))
+            piece, size = [], 0
+    pieces.append("".join(piece))
+    encoded = tok(pieces, add_special_tokens=False)["input_ids"]
+    ids = _checked(np.concatenate([np.asarray(e, dtype=np.int32) for e in encoded]), source)
+    atomic_write(ids_path, lambda f: np.save(f, ids))
+    return ids, len(tok)
 
 
 @dataclass
@@ -104,8 +162,8 @@ class TokenData:
     vocab_size: int
 
     @staticmethod
-    def load(source: str, vocab_size: int, val_fraction: float = 0.05) -> TokenData:
-        ids, vocab = tokenize_corpus(source, vocab_size)
+    def load(source: str, vocab_size: int, val_fraction: float = 0.05, tokenizer: str = "") -> TokenData:
+        ids, vocab = tokenize_corpus(source, vocab_size, tokenizer)
         n_val = max(int(len(ids) * val_fraction), 1)
         return TokenData(ids[:-n_val], ids[-n_val:], vocab)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lrmoe.layer import moe_layers
 from lrmoe.parallel import comm
 from lrmoe.train.config import RunConfig
 
@@ -59,11 +60,11 @@ def reduce_gradients(model: torch.nn.Module, groups: Groups) -> None:
     """Gradients of the global mean loss: replicated parameters summed over all ranks, routed
     experts over the data-parallel group of owners, both divided by the world size."""
     W = groups.world
-    for name, p in model.named_parameters():
+    experts = {id(p) for _, layer in moe_layers(model) for p in layer.experts.parameters()}  # not shared ones
+    for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        expert = ".mlp.experts." in name  # routed experts; shared experts are replicated
-        all_reduce(p.grad, groups.dp_group if expert else groups.world_group)
+        all_reduce(p.grad, groups.dp_group if id(p) in experts else groups.world_group)
         p.grad.div_(W)
 
 

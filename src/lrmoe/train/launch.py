@@ -49,7 +49,8 @@ def write_error(path: Path, message: str, exit_code: int = 2) -> None:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """What the launcher can check before any rank starts: the corpus (tokenized once here and
+    """What the launcher can check before any rank starts: the ``train.hf_model`` checkpoint
+    (:func:`~lrmoe.train.hf_model.inspect_checkpoint`), the corpus (tokenized once here and
     cached for the ranks) holds one global batch in its training and validation splits, and the
     TensorBoard writer a run asks for is installed."""
     t = cfg.train
@@ -60,7 +61,11 @@ def preflight(cfg: RunConfig) -> None:
 
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(TENSORBOARD_MISSING)
-    data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
+    if t.hf_model:
+        from lrmoe.train.hf_model import inspect_checkpoint
+
+        inspect_checkpoint(t.hf_model, cfg.model.seq_len)
+    data = TokenData.load(t.data, t.vocab_size, t.val_fraction, t.hf_model)
     check_fits(data, cfg.model.seq_len, t.batch, t.nproc // (t.ep_size or t.nproc))
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from lrmoe.train.build import build_model
 from lrmoe.train.config import RunConfig, TrainConfig
 from lrmoe.train.data import TokenData
 from lrmoe.train.groups import Groups, all_reduce, reduce_gradients, train_device
+from lrmoe.train.hf_model import save_pretrained
 from lrmoe.train.metrics import Progress, TensorBoardLog, grad_norm, step_metrics
 from lrmoe.train.oom import OutOfMemory, agree, during, evaluate, fitting
 from lrmoe.train.resume import PeerRankError, TrainStream, fresh_history, save, unbuilt_start
@@ -101,7 +104,7 @@ def _prepare(cfg: RunConfig, out: Path, world_group, max_steps: int | None) -> _
     t = cfg.train
     groups = Groups(world_group, t.ep_size)
     torch.set_num_threads(1)
-    data = TokenData.load(t.data, t.vocab_size, t.val_fraction)
+    data = TokenData.load(t.data, t.vocab_size, t.val_fraction, t.hf_model)
     batches = TrainStream(data, cfg.model.seq_len, t.batch, groups.dp_rank, groups.dp_size, t.seed)
     return _Run(cfg, out, groups, data, batches, train_device(cfg), max_steps or t.steps)
 
@@ -245,9 +248,25 @@ def _step(run: _Run, step: int, eval_steps: set[int], stop_at: float | None, sum
     if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == run.total_steps or reached:
         with during("checkpoint"):
             save(run.out, done, run.state, run.batches, run.history, run.groups, t.keep_checkpoints)
+            if t.hf_model:
+                _export(run, done, final=done == run.total_steps or reached)
     if reached:
         summary.update(stopped_at_target=True, status="reached")
     return reached
+
+
+def _export(run: _Run, done: int, final: bool) -> None:
+    """Collective: the transformers folder of the checkpoint of step ``done`` (``ckpt/step_N/hf``);
+    at the run's end (``final``: its last step, or the target reached) rank 0 copies it to
+    ``out/hf``, through a temporary name."""
+    folder = checkpoint.step_folder(run.out, done) / "hf"
+    save_pretrained(run.model, folder, run.groups, run.cfg.train.hf_model)
+    if final and run.lead:
+        tmp = run.out / f"hf.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder, tmp)
+        shutil.rmtree(run.out / "hf", ignore_errors=True)
+        os.replace(tmp, run.out / "hf")
 
 
 def _clock(run: _Run, record: dict) -> dict:
