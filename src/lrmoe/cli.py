@@ -83,7 +83,9 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     """The config file with ``--set``, ``--system`` and the flags applied, checked before any
     rank starts (config, data, routing trace, the corpus's size against one global batch)."""
     sets = list(args.set)
-    if args.hf_model:  # as train.hf_model, so a [model] it fixes is refused the same way; absolute for the ranks
+    # --hf-model is train.hf_model (absolute: the ranks may start elsewhere), so a [model] the
+    # checkpoint fixes is refused as in a config file
+    if getattr(args, "hf_model", None):
         sets.append(f"train.hf_model={json.dumps(str(Path(args.hf_model).resolve()))}")
     cfg = load(args.config, sets)
     if getattr(args, "system", None):

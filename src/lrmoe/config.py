@@ -59,6 +59,11 @@ class MoEConfig:
     bias used only for choosing, optional group-limited choice (``n_group`` groups, the best
     ``topk_group`` of them by the sum of their top-2 scores), weights = unbiased sigmoid scores of
     the chosen, renormalised if ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+    ``num_shared_experts`` > 0 adds a dense SwiGLU shared expert (``shared_ffn_dim`` wide per
+    shared expert, all fused into one) to every token's output, as GLM-4.5 and DeepSeek-V3 do;
+    ``shared_expert_gate`` scales it by ``sigmoid(x · w)`` with a learned (D,) gate, as Qwen2-MoE
+    and Qwen3-Next do.
     """
 
     dim: int
@@ -72,6 +77,7 @@ class MoEConfig:
     topk_group: int = 1
     num_shared_experts: int = 0
     shared_ffn_dim: int | None = None
+    shared_expert_gate: bool = False
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     dtype: str | torch.dtype = "float32"
@@ -106,6 +112,10 @@ class MoEConfig:
             raise _bad("num_shared_experts", self.num_shared_experts, "expected an integer >= 0")
         if self.shared_ffn_dim is not None:
             positive_int("shared_ffn_dim", self.shared_ffn_dim)
+        if not isinstance(self.shared_expert_gate, bool):
+            raise _bad("shared_expert_gate", self.shared_expert_gate, "expected a bool")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise _bad("shared_expert_gate", self.shared_expert_gate, "a gate needs num_shared_experts >= 1")
         for name in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):

@@ -1,10 +1,10 @@
 """MoELayer: the ``nn.Module`` facade of one expert-parallel MoE layer.
 
 It owns the parameters (router, this rank's experts or expert slices, replica copies, shared
-expert), the :class:`~lrmoe.planning.planner.LayerPlanner` that decides placement and each call's plan,
-and the checkpoint and full-shape views. The routed experts' forward and backward live in
-:mod:`lrmoe.passes`; what each system does is read from its :class:`~lrmoe.systems.SystemSpec`
-(docs/design.md "Systems").
+expert and its gate), the :class:`~lrmoe.planning.planner.LayerPlanner` that decides placement
+and each call's plan, and the checkpoint and full-shape views. The routed experts' forward and
+backward live in :mod:`lrmoe.passes`; what each system does is read from its
+:class:`~lrmoe.systems.SystemSpec` (docs/design.md "Systems").
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             SwiGLU(config.dim, config.shared_hidden, dtype) if config.num_shared_experts else None
         )
+        # Qwen2-MoE / Qwen3-Next: the shared expert's output times sigmoid(x · w); replicated, as
+        # the router and the shared expert are (only EXPERT_TENSORS are per-owner)
+        self.shared_expert_gate = (
+            nn.Linear(config.dim, 1, bias=False, dtype=dtype) if config.shared_expert_gate else None
+        )
         self._streams = SelectionStreams(self.backward_config.seed, self.rank)  # one pair per selective backward
         self._routed = LayerContext(self.planner, spec, self.replicas, group, self.rank, self.backward_config,
                                     self._streams, self.planner.node_of)
@@ -187,7 +192,10 @@ class MoELayer(nn.Module):
             out_TD = routed_forward(call, x_TD, routing.weights_TK, gate_up, down)[0]
             call.saved.clear()
         if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+            shared_TD = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
         return out_TD.view(x.shape)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

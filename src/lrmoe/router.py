@@ -1,4 +1,6 @@
-"""Top-k routers with the semantics of HF transformers' Qwen3-MoE and GLM-4.5 blocks.
+"""Top-k routers with the semantics of HF transformers' MoE blocks: softmax (Qwen3-MoE, Qwen2-MoE,
+Qwen3-Next, Mixtral, OLMoE) and sigmoid with correction bias and groups (GLM-4.5, DeepSeek-V3);
+lrmoe.integrations.hf_blocks reads which from each block.
 
 The router's parameters are replicated on every rank; it only ever sees this rank's tokens.
 """

@@ -2,7 +2,8 @@
 
 Conversion is a pure re-layout: lrmoe keeps transformers' 3-D expert layout
 (``gate_up_proj`` (E, 2F, D) gate rows first, ``down_proj`` (E, D, F)), so weights are copied
-as they are and only the config is translated.
+as they are and only the config is translated (:mod:`lrmoe.integrations.hf_blocks`: the table of
+families, the checks, the state-dict names).
 
 Router logits: transformers (>= 5) collects them with forward hooks on its own router class
 when a model is called with ``output_router_logits=True`` and computes its load-balancing loss
@@ -13,69 +14,90 @@ router feeds the same collector with its (T, E) fp32 logits, so ``loss``, ``aux_
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+import copy
+import itertools
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
 
 from lrmoe.config import MoEConfig
+from lrmoe.integrations.hf_blocks import (
+    FAMILIES,
+    REFUSED_BLOCKS,
+    SUPPORTED_BLOCKS,
+    Family,
+    check_model,
+    config_from_hf_block,
+    family_of,
+    hf_block_state_dict,
+)
 from lrmoe.layer import MoELayer, moe_layers
 from lrmoe.router import Routing
 from lrmoe.systems import DEFAULT_SYSTEM
 
-
-def config_from_hf_block(block: nn.Module) -> MoEConfig:
-    """The :class:`MoEConfig` equivalent to a ``Qwen3MoeSparseMoeBlock`` or ``Glm4MoeMoE``."""
-    kind = type(block).__name__
-    gate, experts = block.gate, block.experts
-    E, two_F, D = experts.gate_up_proj.shape
-    dtype = experts.gate_up_proj.dtype
-    if kind == "Qwen3MoeSparseMoeBlock":
-        return MoEConfig(
-            dim=D, ffn_dim=two_F // 2, num_experts=E, top_k=gate.top_k, router="softmax",
-            norm_topk_prob=bool(gate.norm_topk_prob), dtype=dtype,
-        )
-    if kind == "Glm4MoeMoE":
-        shared = block.shared_experts.gate_proj.out_features
-        n_shared = int(block.config.n_shared_experts)
-        return MoEConfig(
-            dim=D, ffn_dim=two_F // 2, num_experts=E, top_k=gate.top_k, router="sigmoid",
-            norm_topk_prob=bool(gate.norm_topk_prob),
-            routed_scaling_factor=float(gate.routed_scaling_factor),
-            n_group=int(gate.num_group), topk_group=int(gate.topk_group),
-            num_shared_experts=n_shared, shared_ffn_dim=shared // n_shared if n_shared else None,
-            dtype=dtype,
-        )
-    raise TypeError(f"from_hf_block supports Qwen3MoeSparseMoeBlock and Glm4MoeMoE, got {kind}")
+__all__ = [
+    "FAMILIES", "REFUSED_BLOCKS", "SUPPORTED_BLOCKS", "Family", "HFOrigin", "check_model", "config_from_hf_block",
+    "from_hf_block", "hf_block_from_layer", "hf_block_state_dict", "patch_model", "unpatch_model",
+]
 
 
-def hf_block_state_dict(block: nn.Module) -> dict[str, torch.Tensor]:
-    """The block's weights under MoELayer's (world-size-1) state-dict names."""
-    sd = {
-        "router.weight": block.gate.weight.detach(),
-        "experts.gate_up_proj": block.experts.gate_up_proj.detach(),
-        "experts.down_proj": block.experts.down_proj.detach(),
-    }
-    bias = getattr(block.gate, "e_score_correction_bias", None)
-    if bias is not None:
-        sd["router.e_score_correction_bias"] = bias.detach()
-    shared = getattr(block, "shared_experts", None)
-    if shared is not None:
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            sd[f"shared_experts.{proj}.weight"] = getattr(shared, proj).weight.detach()
-    return {k: v.clone() for k, v in sd.items()}
+@dataclass(frozen=True)
+class HFOrigin:
+    """The transformers block a layer was made from, as a template on the meta device (no
+    storage, no hooks): its class, config and each tensor's dtype, to rebuild it."""
+
+    block: nn.Module
 
 
-def from_hf_block(block: nn.Module) -> MoELayer:
-    """A world-size-1 :class:`MoELayer` with the block's weights and routing semantics."""
-    layer = MoELayer(config_from_hf_block(block))
+def _meta_template(block: nn.Module) -> HFOrigin:
+    memo = {}
+    for t in itertools.chain(block.parameters(), block.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    template = copy.deepcopy(block, memo)
+    for m in template.modules():  # a plain block: transformers' (and anyone's) hooks stay on the original
+        for key, value in vars(m).items():
+            if key.startswith(("_forward_", "_backward_")) and isinstance(value, dict):
+                value.clear()
+    return HFOrigin(template)
+
+
+def _convert(block: nn.Module, config: MoEConfig, **layer_kwargs) -> MoELayer:
+    layer = MoELayer(config, **layer_kwargs)
     layer.load_full_state_dict(hf_block_state_dict(block))
+    layer._hf_origin = _meta_template(block)
     return layer
 
 
-_SUPPORTED = ("Qwen3MoeSparseMoeBlock", "Glm4MoeMoE")
+def from_hf_block(block: nn.Module) -> MoELayer:
+    """A world-size-1 :class:`MoELayer` with the block's weights and routing semantics
+    (:data:`SUPPORTED_BLOCKS`; a one-line error otherwise, see :func:`config_from_hf_block`)."""
+    return _convert(block, config_from_hf_block(block))
+
+
+def hf_block_from_layer(layer: MoELayer) -> nn.Module:
+    """Collective when the layer is expert parallel: a plain transformers block (the class the
+    layer was made from by :func:`patch_model` or :func:`from_hf_block`, its tensors' dtypes,
+    no hooks) holding the layer's current weights, on the layer's device."""
+    origin = getattr(layer, "_hf_origin", None)
+    if origin is None:
+        raise ValueError("hf_block_from_layer: the layer was not made from a transformers block "
+                         "(patch_model or from_hf_block)")
+    full = layer.full_state_dict()
+    block = copy.deepcopy(origin.block)
+    dtypes = {name: t.dtype for name, t in origin.block.state_dict().items()}
+    names = family_of(block).names()
+    block.load_state_dict({theirs: full[ours].to(dtypes[theirs]) for ours, theirs in names.items()}, assign=True)
+    left = [n for n, t in itertools.chain(block.named_parameters(), block.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"hf_block_from_layer: {type(block).__name__} tensors {left} are not in the state dict")
+    return block.train(layer.training)
+
+
 # MoEConfig fields read from the block's weights: an override would not fit them
-_FROM_WEIGHTS = ("dim", "ffn_dim", "num_experts", "num_shared_experts", "shared_ffn_dim", "dtype")
+_FROM_WEIGHTS = ("dim", "ffn_dim", "num_experts", "num_shared_experts", "shared_ffn_dim", "shared_expert_gate",
+                 "dtype")
 
 
 def _active_collector():
@@ -123,9 +145,11 @@ def patch_model(
     group=None,
     **overrides,
 ) -> nn.Module:
-    """Replace every Qwen3-MoE / GLM-4.5 MoE block of a transformers model, in place, by an
+    """Replace every MoE block of a transformers model (:data:`SUPPORTED_BLOCKS`), in place, by an
     equivalent :class:`MoELayer` carrying the block's weights (each rank keeps its experts).
-    Returns the model. ``unpatch_model`` gives the plain transformers model back.
+    Returns the model; :func:`check_model` runs first (a one-line ValueError for a model with
+    none, a refused block or an unsupported setting, before anything changes).
+    :func:`unpatch_model` gives the plain transformers model back.
 
     ``overrides``: :class:`MoEConfig` fields (``aux_loss_coef``, ``z_loss_coef``, routing
     semantics; not the shape fields the weights fix) and :class:`MoELayer` arguments
@@ -135,47 +159,34 @@ def patch_model(
     ``output_router_logits=True`` transformers itself adds its balancing loss over all layers to
     ``loss`` from the router logits the patched layers report: add ``layer.aux_loss`` only in a
     loop that does not use ``output_router_logits``, never both."""
+    check_model(model)
     moe_overrides, layer_kwargs = _split_overrides(overrides)
     model_config = getattr(model, "config", None)
     moe_overrides.setdefault("aux_loss_coef", float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0))
-    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _SUPPORTED]
-    if not targets:
-        raise ValueError("patch_model found no Qwen3MoeSparseMoeBlock or Glm4MoeMoE in the model")
+    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in FAMILIES]
     for name, block in targets:
-        layer = MoELayer(replace(config_from_hf_block(block), **moe_overrides), system=system, group=group,
+        layer = _convert(block, replace(config_from_hf_block(block), **moe_overrides), system=system, group=group,
                          backward=backward, budget=budget, **layer_kwargs)
-        layer.load_full_state_dict(hf_block_state_dict(block))
         layer.router.register_forward_hook(_record_patched_router)
         layer.to(next(block.parameters()).device)
-        layer._hf_block_class = type(block)
-        layer._hf_config = block.config if hasattr(block, "config") else model.config
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        _set_submodule(model, name, layer)
     return model
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Inverse of :func:`patch_model` (collective when the layers are expert parallel): every
     patched layer becomes a transformers block again, with the layer's current (trained)
     weights, so the model saves with ``save_pretrained`` and reloads as usual."""
-    patched = [(name, m) for name, m in moe_layers(model) if hasattr(m, "_hf_block_class")]
+    patched = [(name, m) for name, m in moe_layers(model) if hasattr(m, "_hf_origin")]
     hooked = any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
     for name, layer in patched:
-        sd = layer.full_state_dict()
-        block = layer._hf_block_class(layer._hf_config)
-        with torch.no_grad():
-            block.gate.weight.copy_(sd["router.weight"])
-            block.experts.gate_up_proj.copy_(sd["experts.gate_up_proj"])
-            block.experts.down_proj.copy_(sd["experts.down_proj"])
-            if "router.e_score_correction_bias" in sd:
-                block.gate.e_score_correction_bias.copy_(sd["router.e_score_correction_bias"])
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                key = f"shared_experts.{proj}.weight"
-                if key in sd:
-                    getattr(block.shared_experts, proj).weight.copy_(sd[key])
-        block.to(layer.router.weight.device)
+        block = hf_block_from_layer(layer)
         if hooked:  # transformers will not hook the new router itself
             block.gate.register_forward_hook(_record_hf_gate)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, block)
+        _set_submodule(model, name, block)
     return model
