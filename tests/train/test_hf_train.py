@@ -169,3 +169,15 @@ def test_hf_folders_it_cannot_train_are_one_line(folders, tmp_path):
     r = run_main("train", "--config", folders["config"], "--hf-model", folders["qwen3-moe"], "--data",
                  folders["corpus"], "--set", "model.seq_len=128", "--out", tmp_path / "out")
     assert "max_position_embeddings" in one_line_error(r)
+
+
+def test_compare_runs_every_system_from_the_checkpoint(folders, tmp_path):
+    """``compare --hf-model``: each system trains the same checkpoint and saves its own ``hf``."""
+    out = tmp_path / "cmp"
+    r = run_main("compare", "--config", folders["config"], "--hf-model", folders["qwen3-moe"], "--data",
+                 folders["corpus"], "--systems", "static,lrmoe", "--steps", 5, "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {"static", "lrmoe"} <= set(results["systems"])
+    for system in ("static", "lrmoe"):
+        assert (out / system / "hf" / "config.json").is_file()

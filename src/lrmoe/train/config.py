@@ -19,7 +19,6 @@ from lrmoe.systems import COMPARE_DEFAULT, DEFAULT_SYSTEM, REFERENCE_SYSTEM, SYS
 from lrmoe.systems import parse_system_name as _parse_system_name
 from lrmoe.train.data import DEFAULT_CORPUS
 
-
 # what [model] still sets when train.hf_model names a transformers checkpoint: the window length
 HF_MODEL_KEYS = {"seq_len"}
 
