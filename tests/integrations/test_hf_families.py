@@ -1,5 +1,5 @@
 """transformers families beyond Qwen3-MoE and GLM-4.5 (tests/integrations/test_hf_patch.py):
-Mixtral, Qwen2-MoE, Qwen3-Next, OLMoE and DeepSeek-V3. Each block converted with from_hf_block
+Mixtral, Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE and DeepSeek-V3. Each block converted with from_hf_block
 gives transformers' output and every gradient (router, experts, shared expert and its gate);
 each tiny model patched at world size 1 and 2 (expert parallel) gives transformers' loss,
 aux loss, router logits and every gradient, and unpatches to a model with no lrmoe module in
@@ -37,6 +37,8 @@ CONFIGS = {
     "qwen3-next": ("Qwen3NextConfig", dict(_ATTN, **_MOE, intermediate_size=64, num_experts=4,
                                            shared_expert_intermediate_size=24, norm_topk_prob=True,
                                            layer_types=["full_attention", "full_attention"])),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", dict(_ATTN, **_MOE, num_experts=4, shared_expert_intermediate_size=24,
+                                                layer_types=["full_attention", "full_attention"])),
     "olmoe": ("OlmoeConfig", dict(_ATTN, num_experts=4, num_experts_per_tok=2, intermediate_size=16,
                                   norm_topk_prob=False)),
     "deepseek-v3": ("DeepseekV3Config", dict(_ATTN, **_MOE, num_hidden_layers=3, first_k_dense_replace=1,
@@ -45,7 +47,8 @@ CONFIGS = {
                                              q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=16,
                                              qk_nope_head_dim=8, v_head_dim=16)),
 }
-WITH_AUX_LOSS = ("mixtral", "qwen2-moe", "qwen3-next", "olmoe")  # DeepSeek-V3 balances by its correction bias
+# DeepSeek-V3 balances by its correction bias
+WITH_AUX_LOSS = ("mixtral", "qwen2-moe", "qwen3-next", "qwen3.5-moe", "olmoe")
 
 
 def tiny_config(family: str, **changes):

@@ -59,6 +59,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeSparseMoeBlock": Family("Qwen3-MoE"),
     "Qwen2MoeSparseMoeBlock": Family("Qwen2-MoE", **_GATED_SHARED),
     "Qwen3NextSparseMoeBlock": Family("Qwen3-Next", **_GATED_SHARED),
+    "Qwen3_5MoeSparseMoeBlock": Family("Qwen3.5-MoE", always_renormalised=True, **_GATED_SHARED),
     "MixtralSparseMoeBlock": Family("Mixtral", always_renormalised=True),
     "OlmoeSparseMoeBlock": Family("OLMoE"),
     "Glm4MoeMoE": Family("GLM-4.5", **_DEEPSEEK),
