@@ -250,6 +250,11 @@ def expert_backward(
     return dx_RD, dgate_up_L2FD, ddown_LDF
 
 
+def zero_grads(gate_up_L2FD: Slots, down_LDF: Slots) -> tuple[Slots, Slots]:
+    """Zeroed weight gradients of every slot set, for a backward that adds into them chunk by chunk."""
+    return _each(torch.zeros_like, gate_up_L2FD), _each(torch.zeros_like, down_LDF)
+
+
 def expert_backward_chunked(
     dy_RD: torch.Tensor, x_RD: torch.Tensor, gate_up_L2FD: Slots, down_LDF: Slots,
     counts_L: torch.Tensor, chunk: int, order_R: torch.Tensor | None = None,
@@ -259,7 +264,7 @@ def expert_backward_chunked(
     is in another order, slot-major row i being ``dy_RD[order_R[i]]``; each chunk's dy rows are
     gathered through it and its dx written back in their place. dx is returned in dy's buffer
     and order, as unchunked."""
-    dgate_up_L2FD, ddown_LDF = _each(torch.zeros_like, gate_up_L2FD), _each(torch.zeros_like, down_LDF)
+    dgate_up_L2FD, ddown_LDF = zero_grads(gate_up_L2FD, down_LDF)
     for a, b, part_L in chunk_spans(counts_L, chunk):
         dy = dy_RD[a:b] if order_R is None else dy_RD[order_R[a:b]]
         dx = expert_backward(dy, x_RD[a:b], gate_up_L2FD, down_LDF, part_L, grads=(dgate_up_L2FD, ddown_LDF))[0]

@@ -4,7 +4,9 @@ every rank, call after call and step after step, or every rank raises the same
 ``MemoryBudgetExceeded`` before rows move; the planner's predicted peak is the measured one;
 replicated systems stay exact (equal to static) with fewer copies where the cap asks for it; an
 exact system that cannot keep x and the activations keeps x alone and recomputes in chunks,
-still exact; a chunked forward and backward within the cap are exact. (What the planner alone does under the cap:
+and one that cannot keep x keeps nothing and moves its rows in rounds, still exact, refused only
+where its experts and a one-row round do not fit; chunked passes and rounds within the cap are
+exact. (What the planner alone does under the cap:
 tests/planning/test_memory_cap.py.)"""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from lrmoe import SYSTEMS, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
+from lrmoe.memory.bytes import ByteModel
 from lrmoe.parallel import comm
 from lrmoe.planning.planner import LayerPlanner
 from lrmoe.systems import BackwardKind, spec_of
@@ -37,9 +40,10 @@ def _budget(system: str, world: int, cap: int) -> tuple[ClusterBudget, dict]:
     return ClusterBudget(memory_bytes=cap, **topo), kw
 
 
-def cap_case(group, system: str, fraction: float):
-    """``system`` under a cap of ``fraction`` × static's largest peak, with static (no cap) beside
-    it. Returns ("ok", per-call records) or ("oom", the error's fields and message)."""
+def cap_case(group, system: str, fraction: float, cap_bytes: int | None = None):
+    """``system`` under a cap of ``fraction`` × static's largest peak (or of ``cap_bytes``), with
+    static (no cap) beside it. Returns ("ok", per-call records) or ("oom", the error's fields
+    and message)."""
     cfg = MoEConfig(**CFG)
     world, rank = comm.world_size(group), comm.rank_of(group)
     sd, x, g = skewed_tokens(cfg, N, SEED, "hot")
@@ -48,7 +52,7 @@ def cap_case(group, system: str, fraction: float):
     static.load_full_state_dict(sd)
     static(x[lo:hi].clone().requires_grad_(True)).backward(g[lo:hi])
     peaks = comm.all_gather(torch.tensor([[static.last_stats["peak_expert_side_bytes"]]]), [1] * world, group)
-    cap = int(fraction * int(peaks.max()))
+    cap = int(fraction * int(peaks.max())) if cap_bytes is None else cap_bytes
     budget, kw = _budget(system, world, cap)
     records = []
     try:
@@ -73,7 +77,8 @@ def cap_case(group, system: str, fraction: float):
                         close(f"vs static {name}", grads[name], want, atol=1e-5)
                 records.append({k: s.get(k) for k in ("peak_expert_side_bytes", "predicted_peak_bytes",
                                                       "memory_cap_bytes", "replica_slots", "keep_mode",
-                                                      "fwd_chunk_rows", "bwd_chunk_rows", "recv_rows")})
+                                                      "fwd_chunk_rows", "bwd_chunk_rows", "recv_rows",
+                                                      "exchange_rounds")})
             with torch.no_grad():  # an evaluation call: the forward alone, within the cap too
                 layer(x[lo:hi])
             e = dict(layer.last_stats)
@@ -150,19 +155,77 @@ def test_exact_systems_fit_half_of_static_peak(pool, system, world):
     assert any(rec["bwd_chunk_rows"] < rec["recv_rows"] for rec in train), "the hot rank's backward is chunked"
 
 
-def test_exact_system_refused_only_below_a_one_row_chunk(pool):
-    """static at a cap that x and dy of the hot rank's rows beside its experts do not fit even
-    with one-row chunks: every rank raises, and the message says it tried keeping x alone."""
-    res = pool.run(2, cap_case, "static", 0.3)
+# Below what keeping x fits (x and dy of every row of the hot rank beside its experts), the exact
+# systems keep nothing and move each exchange in rounds, x re-sent with dy: still within the cap
+# and equal to uncapped static. (The fractions sit between the least a one-row round needs and
+# the least keeping x needs, at this shape: 0.32-0.47 of static's peak at 2 ranks, 0.24-0.40 at 4.)
+ROUNDS_FRACTION = {2: 0.4, 4: 0.3}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("system", HALF)
+def test_exact_systems_fit_in_rounds_below_what_keeping_x_fits(pool, system, world):
+    res = pool.run(world, cap_case, system, ROUNDS_FRACTION[world])
+    assert _check(res, system) == "ok", res[0][2]
+    hot = max(range(world), key=lambda r: max(rec.get("recv_rows") or 0 for rec in res[r][2]))
+    train = [rec for rec in res[hot][2] if rec.get("keep_mode")]
+    assert all(rec["keep_mode"] == "nothing" and rec["exchange_rounds"] > 1 for rec in train), train
+    assert all(rec["fwd_chunk_rows"] == rec["bwd_chunk_rows"] < rec["recv_rows"] for rec in train), train
+
+
+def _one_row_round(world: int) -> int:
+    """What a rank owning its share of the experts needs for a call in rounds of one row."""
+    cfg = MoEConfig(**CFG)
+    bm = ByteModel.of(cfg, selective=False)
+    return cfg.num_experts // world * bm.slot + max(bm.round_forward(1), bm.round_backward(1))
+
+
+def test_exact_system_refused_only_below_its_experts_and_a_one_row_round(pool):
+    """static is refused only where its owned experts and the buffers of a one-row round do not
+    fit: at exactly that cap every call runs, in rounds of one row on every rank with rows; a
+    byte less and every rank raises, saying that nothing was kept and rows went one at a time."""
+    need = _one_row_round(2)
+    res = pool.run(2, cap_case, "static", 0.0, need)
+    assert _check(res, "static") == "ok", res[0][2]
+    train = [rec for r in res for rec in r[2] if rec.get("keep_mode")]
+    assert all(rec["keep_mode"] == "nothing" and rec["fwd_chunk_rows"] == 1 for rec in train), train
+    assert max(rec["peak_expert_side_bytes"] for rec in train) == need
+    res = pool.run(2, cap_case, "static", 0.0, need - 1)
     assert _check(res, "static") == "oom"
     msg = res[0][2][3]
-    assert "x of every row kept to the backward, its forward and backward chunked" in msg, msg
+    assert "nothing kept to the backward and every exchange in rounds of one row" in msg, msg
     assert "lrmoe" in msg, "the message names the system that trims"
 
 
 def test_laer_assembles_fewer_experts_within_the_cap(pool):
     res = pool.run(4, cap_case, "laer", 0.85)
     assert _check(res, "laer") == "ok"
+
+
+@pytest.mark.parametrize("system", ["static", "static-recompute", "symi"])
+def test_rounds_within_the_cap_are_exact(system):
+    """World size 1, a cap of the experts and three rows' rounds: 96 tokens' 192 rows go in
+    rounds of 3 through both passes, measured as predicted, with the uncapped call's gradients."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(**CFG)
+    sd, x, g = skewed_tokens(cfg, N, SEED, "hot")
+    free = MoELayer(cfg, system=system)
+    free.load_full_state_dict(sd)
+    xf = x.clone().requires_grad_(True)
+    free(xf).backward(g)
+    bm = ByteModel.of(cfg, selective=False)
+    cap = cfg.num_experts * bm.slot + max(bm.round_forward(3), bm.round_backward(3))
+    layer = MoELayer(cfg, system=system, budget=ClusterBudget(memory_bytes=cap))
+    layer.load_full_state_dict(sd)
+    xs = x.clone().requires_grad_(True)
+    layer(xs).backward(g)
+    s = layer.last_stats
+    assert s["keep_mode"] == "nothing" and s["fwd_chunk_rows"] == s["bwd_chunk_rows"] == 3, s
+    assert s["exchange_rounds"] == -(-s["recv_rows"] // 3)
+    assert s["peak_expert_side_bytes"] == s["predicted_peak_bytes"] == cap
+    close("dx", xs.grad, xf.grad)
+    for name, p in layer.named_parameters():
+        close(name, p.grad, dict(free.named_parameters())[name].grad)
 
 
 @pytest.mark.parametrize("system", ["masked", "static-recompute", "static"])

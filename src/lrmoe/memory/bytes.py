@@ -27,7 +27,7 @@ from lrmoe.config import MoEConfig
 from lrmoe.systems import SystemSpec
 
 # What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute"):
-KEEP_NOTHING = "nothing"  # home re-sends x of kept pairs; gate, up, silu, h recomputed
+KEEP_NOTHING = "nothing"  # home re-sends x of kept pairs (an exact call: of every pair, in rounds); recomputed
 KEEP_X = "x"  # the received x rows: only dy travels, to where the forward computed the pair; recomputed
 KEEP_X_ACTS = "x+acts"  # x and the activations: static's backward on the kept rows, no recompute
 KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
@@ -100,6 +100,17 @@ class ByteModel:
         """dy and x in, dx out per kept backward row."""
         return 3 * self.row
 
+    def round_forward(self, rows: int) -> int:
+        """One forward round of an exchange in rounds (:mod:`lrmoe.parallel.rounds`) bringing
+        ``rows`` rows: x as received and sorted by slot, then x sorted, y and the four
+        activations (the larger); y's sorted-back copy beside y is smaller still."""
+        return rows * (2 * self.row + self.fwd_compute)
+
+    def round_backward(self, rows: int) -> int:
+        """One backward round: x and dy received (one message) and their slot-sorted copies, then
+        x, dy and the four recomputed activations (the larger); dx comes back in dy's buffer."""
+        return rows * max(4 * self.row, 2 * self.row + self.fwd_compute)
+
     def slots_held(self, copies: int, owned: int) -> int:
         """A rank's persistent expert memory: its copies' parameters and gradient buffers (the
         owned experts' and the replicas' weights are two sets the GEMMs read in place, never
@@ -126,6 +137,12 @@ def spec_keep(spec: SystemSpec) -> str:
     if spec.saves_activations:
         return KEEP_X_ACTS
     return KEEP_X if spec.saves_rows else KEEP_NOTHING
+
+
+def in_rounds(spec: SystemSpec, keep: str | None) -> bool:
+    """An exact (non-selective) call that keeps nothing to the backward: every exchange of its
+    rows runs in rounds, x re-sent with dy (docs/design.md "Recompute")."""
+    return keep == KEEP_NOTHING and not spec.selective
 
 
 def kept_to_backward(spec: SystemSpec, keep: str | None, chunked: bool) -> Kept:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lrmoe.memory.bytes import H_SQ_BYTES, ByteModel, kept_to_backward
+from lrmoe.memory.bytes import H_SQ_BYTES, ByteModel, in_rounds, kept_to_backward
 from lrmoe.systems import SystemSpec, spec_of
 
 
@@ -71,11 +71,17 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
       and holds one chunk's activations and gathered dy rows at a time. The kept rows' positions
       (4 bytes a row in dy's message) or the global selections' one byte per forward row are
       bookkeeping, like the row plans' indices, and not counted.
+    - an exact call that keeps nothing (:func:`~lrmoe.memory.bytes.in_rounds`) moves its rows in
+      rounds (:mod:`lrmoe.parallel.rounds`): its largest forward round, then its largest
+      backward round, on top of the slots (:meth:`~lrmoe.memory.bytes.ByteModel.round_forward`).
     """
     spec = spec_of(system)
     bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
     slices = 2 * work.sliced * 3 * dim * (ffn_dim // work.world) * dtype_bytes
     replay = _Replay(bm.slots_held(work.copies, work.owned) + slices)
+    if in_rounds(spec, work.keep):
+        _in_rounds(replay, bm, work)
+        return int(replay.peak)
     chunked = work.chunk_rows is not None and work.chunk_rows < work.fwd_rows
     _forward(replay, spec, bm, work, chunked)
     if work.backward:
@@ -127,3 +133,19 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
         replay.now -= acts_rows * acts_row
     if work.replicas_anywhere:
         replay.hold((work.copies - work.owned) * bm.slot_params)  # replica gradients' send buffer (laer: every copy's)
+
+
+def _largest_round(rows: int, chunk: int | None) -> int:
+    return rows if chunk is None else min(rows, chunk)
+
+
+def _in_rounds(replay: _Replay, bm: ByteModel, work: RankWork) -> None:
+    """An exact call keeping nothing, every exchange in rounds of at most ``chunk_rows`` (forward)
+    and ``bwd_chunk_rows`` (backward) rows: the largest round of each pass on top of the slots,
+    then the replica-gradient send buffer."""
+    replay.reach(bm.round_forward(_largest_round(work.fwd_rows, work.chunk_rows)))
+    if not work.backward:
+        return
+    replay.reach(bm.round_backward(_largest_round(work.bwd_rows, work.bwd_chunk_rows)))
+    if work.replicas_anywhere:
+        replay.hold((work.copies - work.owned) * bm.slot_params)

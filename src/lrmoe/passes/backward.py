@@ -1,4 +1,5 @@
-"""The routed experts' backward, in stages: select → plan rows → dispatch → compute → return.
+"""The routed experts' backward, in stages: select → plan rows → dispatch → compute → return
+(the row path's dispatch, compute and return: :mod:`lrmoe.passes.row_paths`).
 Which selection and row path a call takes was chosen once from its plan
 (:func:`lrmoe.passes.row_paths.choose`); everything else it needs is in the call's record.
 
@@ -14,9 +15,8 @@ import time
 import torch
 
 from lrmoe import experts
-from lrmoe.parallel import comm, sharding
+from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel
-from lrmoe.parallel.dispatch import to_home
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.row_paths import BackwardRows
 from lrmoe.passes.selectors import Kept
@@ -44,36 +44,11 @@ def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, we
 
     dy_RD, rows_RD = call.path.dispatch(call, dy_ND, x_TD, rows, channel)
     del dy_ND
-    dx_RD, dgate_up, ddown = compute(call, dy_RD, rows_RD, rows, gate_up, down)
+    dx_RD, dgate_up, ddown = call.path.compute(call, dy_RD, rows_RD, rows, gate_up, down, channel)
     del rows_RD, dy_RD
     dx_TD, dgate_up, ddown = give_back(call, dx_RD, dgate_up, ddown, x_TD, rows, gate_up.shape[0], channel)
-    _report(call, kept, select_ms, dx_RD.shape[0], channel, x_TD, t0)
+    _report(call, kept, select_ms, rows.layout.recv_rows, channel, x_TD, t0)
     return dx_TD, dweights_TK, dgate_up, ddown
-
-
-def compute(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: BackwardRows, gate_up: torch.Tensor,
-            down: torch.Tensor) -> tuple[torch.Tensor, experts.Slots, experts.Slots]:
-    """The grouped SwiGLU backward over the received rows (recomputing gate/up/h where the
-    activations were not kept). Returns (dx rows, slot weight gradients)."""
-    meter, saved = call.meter, call.saved
-    acts, saved.acts = saved.acts, None
-    w_gu, w_down = saved.slot_weights or (gate_up, down)
-    saved.slot_weights = None
-    if acts is not None:
-        meter.drop(*acts.values())
-        return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, acts)
-    # The expert backward works in place (dh over h, d up over silu, d gate over gate, dx over
-    # dy), so its peak is the four (R, F) activations beside dy and x: already counted when
-    # saved, recomputed otherwise: for every row at once, or for one chunk's rows where the
-    # plan chunks this rank's backward.
-    # A chunked backward gathers each chunk's dy rows from their received order.
-    R, s = dy_RD.shape[0], dy_RD.element_size()
-    if rows.chunk is None:
-        meter.reach(4 * R * down.shape[2] * s)
-        return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts)
-    order = None if rows.dy_slot_major else comm.to_device(rows.layout.regroup_idx, dy_RD.device)
-    meter.reach(rows.chunk * (4 * down.shape[2] * s + (0 if order is None else dy_RD.shape[1] * s)))
-    return experts.expert_backward_chunked(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, rows.chunk, order)
 
 
 def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, ddown: experts.Slots,
@@ -82,7 +57,7 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, dd
     """dx rows home and summed per token; slot weight gradients reduced to the weights' owners
     (collectives). Returns (dx_TD, gradients of the owned gate_up and down)."""
     layer, plan, meter = call.layer, call.plan, call.meter
-    dx_home_ND = to_home(dx_RD, rows.layout, channel, slot_major=rows.dy_slot_major)
+    dx_home_ND = call.path.home(call, dx_RD, rows, channel)
     dx_TD = torch.zeros_like(x_TD)
     dx_TD.index_add_(0, rows.layout.pair_idx // call.ids_TK.shape[1], dx_home_ND)
     if layer.spec.placement is PlacementKind.SHARDED:  # slot gradients summed into the slices' owners

@@ -20,6 +20,7 @@ from lrmoe.parallel.dispatch import to_experts, to_home, to_home_with_norms
 from lrmoe.parallel.rows import row_layout
 from lrmoe.passes import row_paths
 from lrmoe.passes.record import CallRecord
+from lrmoe.passes.rounds import forward_in_rounds
 from lrmoe.planning.cost import ADAM_STATES
 from lrmoe.selection.global_selection import select
 from lrmoe.selection.scores import squared_norms
@@ -49,12 +50,18 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
     channel = call.layer.channel()
     plan(call, weights_TK, channel)
     weights = fetch_weights(call, gate_up, down, channel)
-    rows_RD = dispatch(call, x_TD, channel)
-    y_RD, h_sq_R, acts = compute(call, rows_RD, weights)
-    out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, h_sq_R, channel)
-    del y_RD
-    save(call, rows_RD, acts, weights, gate_up)
-    del acts, rows_RD
+    if call.plan.rounds_R is not None:  # every exchange in rounds, nothing kept (an exact call under a cap)
+        lay_out(call)
+        y_home_ND = forward_in_rounds(call, x_TD, weights.gate_up, weights.down, channel)
+        out_TD, y_PD, h_sq_P = outputs(call, x_TD, weights_TK, y_home_ND, None)
+        save(call, None, None, weights, gate_up)
+    else:
+        rows_RD = dispatch(call, x_TD, channel)
+        y_RD, h_sq_R, acts = compute(call, rows_RD, weights)
+        out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, h_sq_R, channel)
+        del y_RD
+        save(call, rows_RD, acts, weights, gate_up)
+        del acts, rows_RD
     _report(call, channel, y_PD, weights_TK, h_sq_P, nbytes(gate_up, down), weights.moved_bytes, t0)
     return out_TD, y_PD, h_sq_P
 
@@ -101,13 +108,17 @@ def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, c
     return SlotWeights(w_gu, w_down, moved)
 
 
+def lay_out(call: CallRecord) -> None:
+    """The forward's row layout (:func:`~lrmoe.parallel.rows.row_layout`), on the call."""
+    call.rows = row_layout(call.ids_TK.reshape(-1), call.plan.assignment, call.plan.placement, call.layer.rank,
+                           keep_P=call.forward_keep_P)
+
+
 def dispatch(call: CallRecord, x_TD: torch.Tensor, channel: Channel) -> torch.Tensor:
     """The forward's row layout, and this rank's x rows sent to the copies that compute them
     (collective); returns the rows this rank's expert side received, slot-major."""
-    layer, K = call.layer, call.ids_TK.shape[1]
-    call.rows = row_layout(call.ids_TK.reshape(-1), call.plan.assignment, call.plan.placement, layer.rank,
-                           keep_P=call.forward_keep_P)
-    return to_experts(x_TD[call.rows.pair_idx // K], call.rows, channel)
+    lay_out(call)
+    return to_experts(x_TD[call.rows.pair_idx // call.ids_TK.shape[1]], call.rows, channel)
 
 
 def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
@@ -150,16 +161,26 @@ def combine(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, y_RD
     """Expert outputs home (with ‖h‖² for the LRM scores, one message) and the weighted sum per
     token. Pairs a plan does not carry (dropped by a capacity factor) contribute zero."""
     rows, meter = call.rows, call.meter
-    T, K = call.ids_TK.shape
-    h_sq_P = None
+    h_sq_N = None
     if h_sq_R is not None:
         y_home_ND, h_sq_N = to_home_with_norms(y_RD, h_sq_R, rows, channel)
-        h_sq_P = torch.empty(T * K, dtype=torch.float64, device=x_TD.device)
-        h_sq_P[rows.pair_idx] = h_sq_N
         meter.drop(h_sq_R)
     else:
         y_home_ND = to_home(y_RD, rows, channel)
     meter.drop(y_RD)
+    return outputs(call, x_TD, weights_TK, y_home_ND, h_sq_N)
+
+
+def outputs(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, y_home_ND: torch.Tensor,
+            h_sq_N: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out_TD, y_PD, h_sq_P) from the expert outputs home in the layout's send order: y per
+    pair, the weighted sum per token, and ‖h‖² per pair where the backward is selective."""
+    rows = call.rows
+    T, K = call.ids_TK.shape
+    h_sq_P = None
+    if h_sq_N is not None:
+        h_sq_P = torch.empty(T * K, dtype=torch.float64, device=x_TD.device)
+        h_sq_P[rows.pair_idx] = h_sq_N
     full = len(rows.pair_idx) == T * K
     y_PD = (x_TD.new_empty if full else x_TD.new_zeros)(T * K, x_TD.shape[1])
     y_PD[rows.pair_idx] = y_home_ND

@@ -15,6 +15,7 @@ from lrmoe.config import BackwardConfig
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel.comm import Channel, Group, WireCounter
 from lrmoe.parallel.replicas import Replicas
+from lrmoe.parallel.rounds import Rounds
 from lrmoe.parallel.rows import RowLayout
 from lrmoe.passes.stats import CallStats
 from lrmoe.planning.call_plan import CallPlan
@@ -92,3 +93,4 @@ class CallRecord:
     kept_TK: torch.Tensor | None = None  # after the backward: the pairs it kept
     scale_TK: torch.Tensor | None = None  # and the weights of their contributions (sampled)
     log: CallLog | None = None  # where the layer reads its latest call's figures
+    rounds: Rounds | None = None  # an exchange in rounds: the forward's, which the backward repeats

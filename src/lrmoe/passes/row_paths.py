@@ -2,7 +2,8 @@
 selection (:func:`choose`, :mod:`lrmoe.passes.selectors`), so no backward stage branches on a mode.
 
 Row paths (docs/design.md "Recompute"): the forward's rows (:class:`ForwardRows`: full and
-recompute backwards, which kept x); the same rows with the dropped pairs' dy zeroed
+recompute backwards, which kept x); the forward's rounds, x re-sent with dy (:class:`RoundRows`:
+an exact backward that kept nothing); the same rows with the dropped pairs' dy zeroed
 (:class:`MaskedRows`, the ablation); a compacting backward that kept nothing re-spreads its kept
 pairs over the copies and home re-sends their x (:class:`ResentRows`); one that kept x computes
 each kept pair where its x was kept, told which rows by the positions riding in dy's message
@@ -16,12 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from lrmoe import experts
 from lrmoe.memory.bytes import KEEP_NOTHING
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel.comm import Channel
-from lrmoe.parallel.dispatch import to_experts, to_kept_experts
+from lrmoe.parallel.dispatch import to_experts, to_home, to_kept_experts
 from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
+from lrmoe.passes.expert_rows import expert_rows_backward
 from lrmoe.passes.record import CallRecord, Saved
+from lrmoe.passes.rounds import backward_in_rounds
 from lrmoe.passes.selectors import ForwardPairs, GlobalSelector, Kept, Selector, StrataSelector
 from lrmoe.systems import SystemSpec
 
@@ -87,6 +91,33 @@ class ForwardRows:
         """(dy, x) rows at the expert side: x slot-major, dy too unless the backward is chunked."""
         return to_experts(dy_ND, rows.layout, channel, regroup=rows.dy_slot_major), _take_saved(call)
 
+    def compute(self, call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: BackwardRows,
+                gate_up: torch.Tensor, down: torch.Tensor, channel: Channel
+                ) -> tuple[torch.Tensor, experts.Slots, experts.Slots]:
+        """(dx rows, slot weight gradients): the grouped expert backward over the received rows."""
+        return expert_rows_backward(call, dy_RD, rows_RD, rows, gate_up, down)
+
+    def home(self, call: CallRecord, dx_RD: torch.Tensor, rows: BackwardRows, channel: Channel) -> torch.Tensor:
+        """dx rows back to their home ranks, in the layout's send order (collective)."""
+        return to_home(dx_RD, rows.layout, channel, slot_major=rows.dy_slot_major)
+
+
+class RoundRows(ForwardRows):
+    """An exact call that kept nothing: x and dy go to the experts in the forward's rounds, and
+    dx comes home round by round (:mod:`lrmoe.passes.rounds`)."""
+
+    def dispatch(self, call, dy_ND, x_TD, rows, channel):
+        """Nothing moves yet: (dy, x) in the forward layout's send order, home side."""
+        return dy_ND, x_TD[rows.layout.pair_idx // call.ids_TK.shape[1]]
+
+    def compute(self, call, dy_ND, x_ND, rows, gate_up, down, channel):
+        w_gu, w_down = call.saved.slot_weights or (gate_up, down)
+        call.saved.slot_weights = None
+        return backward_in_rounds(call, dy_ND, x_ND, w_gu, w_down, channel)
+
+    def home(self, call, dx_ND, rows, channel):
+        return dx_ND  # home already, in send order
+
 
 class MaskedRows(ForwardRows):
     """The forward's layout, the dy of dropped pairs zeroed: the selection's cost without its saving."""
@@ -143,7 +174,7 @@ def choose(spec: SystemSpec, keep: str | None, local: bool) -> tuple[Selector, R
     """The backward of a training call: its selection and row path, from the spec, the plan's
     keep mode and whether the selection is local. The only place that tells the modes apart."""
     if not spec.selective:
-        return ForwardPairs(), ForwardRows()
+        return ForwardPairs(), RoundRows() if keep == KEEP_NOTHING else ForwardRows()
     selector = StrataSelector() if local else GlobalSelector()
     if not spec.compacts:
         return selector, MaskedRows()

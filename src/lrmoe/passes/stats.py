@@ -31,6 +31,7 @@ class CallStats:
     optimizer_bytes: int | None = None  # Adam(W) moments of the owned experts
     fwd_ms: float | None = None
     bound_optimizer_bytes: int | None = None  # optimizer state bound to new copies (modelled)
+    exchange_rounds: int | None = None  # an exact call keeping nothing under a cap: rounds of each exchange
     # backward
     nonfinite: bool | torch.Tensor | None = None  # non-finite scores alone exceeded a quota (a device flag)
     quota_E: torch.Tensor | None = None  # pairs each expert's backward was to keep

@@ -31,6 +31,7 @@ class CallPlan:
     rule: Assignment = Assignment.OWNER  # the assignment rule, for the backward's kept pairs
     node_of: list[int] | None = None  # rank -> node, for a node-aware rule
     bwd_chunk_rows_R: list[int] | None = None  # rows each rank's backward recomputes at once (None: all at once)
+    rounds_R: list[int] | None = None  # rows a round brings each rank, where the call's exchanges run in rounds
 
     @property
     def stats(self) -> dict:

@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.memory.bytes import KEEP_X, KEEP_X_ACTS, spec_keep
+from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, spec_keep
 from lrmoe.memory.replay import RankWork
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.peaks import Fit, RankPeaks
@@ -54,8 +54,12 @@ class CapFitter:
     def with_fallbacks(self) -> list[CapFitter]:
         """This fitter, then those of the exact ways to keep less: a system that keeps x and the
         activations may keep x alone, recomputing them in a (chunked) backward, and chunk its
-        forward. Richest first: a cap a richer plan fits never pays for recomputation."""
-        return [self] + ([self.keeping(KEEP_X)] if spec_keep(self.peaks.spec) == KEEP_X_ACTS else [])
+        forward; an exact (non-selective) one may keep nothing and move its rows in rounds, x
+        re-sent with dy (:mod:`lrmoe.parallel.rounds`). Richest first: a cap a richer plan fits
+        never pays for recomputation, nor rounds for re-sending."""
+        spec = self.peaks.spec
+        leaner = ([KEEP_X] if spec_keep(spec) == KEEP_X_ACTS else []) + ([] if spec.selective else [KEEP_NOTHING])
+        return [self] + [self.keeping(keep) for keep in leaner]
 
     def fit(self, forward_SE: torch.Tensor, placement: Placement, training: bool) -> Fit:
         """The call under ``placement``: the system's own assignment, or, where that does not
@@ -117,8 +121,9 @@ class CapFitter:
         best = min(failed, key=lambda f: max(p - m for p, m in zip(f.peak_R, M)))
         r = max(range(self.peaks.world), key=lambda r: (best.peak_R[r] - M[r], -r))
         rows = best.assignment.rows_R()[r]
-        # the error a call raises is its leanest fitter's (first_that_fits): x kept, chunked
-        kept = "x of every row kept to the backward, its forward and backward chunked"
+        # the error a call raises is its leanest fitter's (first_that_fits)
+        kept = ("nothing kept to the backward and every exchange in rounds of one row" if self.peaks.rounds
+                else "x of every row kept to the backward, its forward and backward chunked")
         helps = ("a larger cap or fewer tokens per call would help, or a system that trims its backward "
                  f"({TRIMMING_SYSTEM})")
         tried = "no plan with fewer expert copies fits either; " if self.varies_copies else ""

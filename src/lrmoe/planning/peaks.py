@@ -11,7 +11,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from lrmoe.config import MoEConfig
-from lrmoe.memory.bytes import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, kept_to_backward, position_bytes
+from lrmoe.memory.bytes import (
+    KEEP_MODES,
+    KEEP_NOTHING,
+    KEEP_X_ACTS,
+    ByteModel,
+    in_rounds,
+    kept_to_backward,
+    position_bytes,
+)
 from lrmoe.memory.replay import RankWork, expert_side_peak
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
@@ -53,6 +61,11 @@ class RankPeaks:
         return not kept_to_backward(self.spec, self.keep, chunked=False).acts
 
     @property
+    def rounds(self) -> bool:
+        """Every exchange of the call runs in rounds (an exact call keeping nothing)."""
+        return in_rounds(self.spec, self.keep)
+
+    @property
     def backward_chunks(self) -> bool:
         """The backward may recompute in chunks: an exact backward that recomputes its activations
         (a compacting one's rows are its selection's, planned by its controller)."""
@@ -87,11 +100,14 @@ class RankPeaks:
 
     def rank_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int | None, int]:
         """(forward chunk rows, backward chunk rows or None, predicted peak) of rank r computing
-        ``rows`` rows: all at once where that fits, else the largest forward chunk that does,
+        ``rows`` rows: in rounds (:attr:`rounds`), the largest round that fits both passes;
+        otherwise all at once where that fits, else the largest forward chunk that does,
         else (a recomputing backward) the backward recomputed in the largest chunk that fits
         beside a one-row forward chunk, then the largest forward chunk beside it. The peak is
         over the cap where nothing fits."""
         cap = self.memory_R[r]
+        if self.rounds:
+            return self._round_fit(placement, r, rows, training)
         peak = self.peak(self.work(placement, r, rows, training))
         if peak <= cap or not self.chunks or rows <= 1:
             return max(rows, 1), None, peak
@@ -103,6 +119,15 @@ class RankPeaks:
             return 1, 1, peak
         chunk, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, True, c, bwd)), rows, cap)
         return chunk, bwd, peak
+
+    def _round_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int | None, int]:
+        """:meth:`rank_fit` in rounds: the most rows a round brings rank r (both passes alike)
+        whose peak fits; one row, and its peak, where none does."""
+        def peak_of(c: int) -> int:
+            return self.peak(self.work(placement, r, rows, training, c, c if training else None))
+
+        chunk, peak = self._largest(peak_of, rows + 1, self.memory_R[r]) if rows > 1 else (1, peak_of(1))
+        return chunk, chunk if training else None, peak
 
     def rows_within(self, placement: Placement, r: int, training: bool) -> int:
         """Most rows rank r can compute within its cap under ``placement`` (chunked if need be)."""

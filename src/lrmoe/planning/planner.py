@@ -24,7 +24,7 @@ import torch
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.memory.bytes import ByteModel, spec_keep
+from lrmoe.memory.bytes import ByteModel, in_rounds, spec_keep
 from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.call_plan import CallPlan
@@ -221,8 +221,10 @@ class LayerPlanner:
         figures = replace(figures, keep_mode=(keep or spec_keep(self.spec)) if training else None,
                           replica_slots=len(placement.slots[self.rank]), **capped)
         fetch = self.spec.placement is PlacementKind.PER_CALL or replanned
+        rounds_R = fit.chunk_rows_R if in_rounds(self.spec, fit.keep) else None
         return CallPlan(placement, counts_SE, forward_SE, fit.assignment, fit.chunk_rows_R, kept_capacity_R, quota_E,
-                        fetch, figures, fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R)
+                        fetch, figures, fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R,
+                        rounds_R)
 
     def _fit_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
                   ) -> tuple[Fit, PlanFigures, bool]:
