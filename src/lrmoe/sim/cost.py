@@ -7,12 +7,12 @@ the CPU calibration (where the rates are fitted by least squares):
   forward ``6·R·D·F`` FLOPs for R rows (gate, up, down), backward ``12·R·D·F`` (dh, dW_down,
   dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (``call.recomputes``:
   static-recompute, masked, and lrmoe unless its call kept x and the activations);
-  operand bytes are the weights (once per local copy and GEMM) plus the rows in and out;
+  operand bytes are the weights (once per local copy, GEMM and chunk) plus the rows in and out;
 - elementwise and copy kernels: bytes / (bw·mem_eff) — SwiGLU and its backward, ‖h‖² (the
   selective systems, ``spec.selective``), the home-side gather of rows into send order and the
   weighted combine / scatter-add, the selection's sort passes (``spec.selects``), and a keep-x
   backward's gather of its kept rows out of the saved ones;
-- kernel launches × ``launch_s`` (forward chunks multiply them; on CPU a grouped GEMM is a loop
+- kernel launches × ``launch_s`` (forward and backward chunks multiply them; on CPU a grouped GEMM is a loop
   of one GEMM per local expert, so each expert costs a launch);
 - router and shared expert GEMMs (same for every system, kept so that reductions are relative
   to the whole MoE-layer time);
@@ -27,7 +27,8 @@ the CPU calibration (where the rates are fitted by least squares):
   all-gather their non-finite counts, E int64 per rank, then ``lrm`` and ``random`` their
   candidates' keys, ``sampled`` every score: :data:`lrmoe.sim.layer_calls.SCORE_EXCHANGE`; capacity's
   score exchange in the forward), replica refresh (owner → holder, every step) and
-  replica-gradient reduction (holder → owner);
+  replica-gradient reduction (holder → owner); an exchange in rounds (an exact call keeping
+  nothing under a cap, ``call.rounds``) pays the messages of its row exchanges once per round;
 - selection: scored pairs × ``select_pair_s`` (0 on GPU, where the sort passes above stand for
   it; fitted on CPU, where scoring and exact top-q run as many small ops);
 - host time: the library's planner calls in this call times their recorded benchmark cost
@@ -97,9 +98,11 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
     groups = L if per_expert_gemm else np.ones_like(L)
     fwd_flops = 6 * Rf * D * F
     bwd_flops = 12 * Rb * D * F + (4 * Rb * D * F if recompute else 0)
-    fwd_gemm_bytes = w_bytes + Rf * (3 * D + 3 * F) * s
-    bwd_gemm_bytes = 3 * w_bytes + Rb * (6 * D + 8 * F) * s + (w_bytes * 2 / 3 + Rb * (2 * D + 2 * F) * s
-                                                                if recompute else 0)
+    bwd_chunks = np.ones_like(L) if call.bwd_chunks_R is None else call.bwd_chunks_R.astype(np.float64)
+    # every chunk (or round) reads its copies' weights again
+    fwd_gemm_bytes = w_bytes * call.chunks_R + Rf * (3 * D + 3 * F) * s
+    bwd_gemm_bytes = (3 * w_bytes + (w_bytes * 2 / 3 if recompute else 0)) * bwd_chunks \
+        + Rb * (6 * D + 8 * F) * s + (Rb * (2 * D + 2 * F) * s if recompute else 0)
     h_sq = system.selective  # the forward also reduces h to ‖h‖² per row
     fwd_elem = Rf * 4 * F * s + (Rf * F * s if h_sq else 0) + call.home_pairs_R * 3 * D * s
     bwd_elem = Rb * 8 * F * s + (Rb * 4 * F * s if recompute else 0) + call.home_bwd_pairs_R * 3 * D * s
@@ -112,7 +115,7 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
         else:
             bwd_elem = bwd_elem + sort
     fwd_launch = (FWD_GEMMS * groups + (FWD_KERNELS - FWD_GEMMS)) * call.chunks_R
-    bwd_launch = (BWD_GEMMS + (RECOMPUTE_GEMMS if recompute else 0)) * groups + (BWD_KERNELS - BWD_GEMMS)
+    bwd_launch = ((BWD_GEMMS + (RECOMPUTE_GEMMS if recompute else 0)) * groups + (BWD_KERNELS - BWD_GEMMS)) * bwd_chunks
     return {
         "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "fwd_gemm_bytes": fwd_gemm_bytes,
         "bwd_gemm_bytes": bwd_gemm_bytes, "fwd_elem_bytes": fwd_elem, "bwd_elem_bytes": bwd_elem,
@@ -162,6 +165,10 @@ def layer_seconds(call: LayerCall, spec: ModelSpec, hw: Hardware, s: int = 2) ->
     out["fwd_compute"], out["bwd_compute"] = float(fwd.max()), float(bwd.max())
     for phase, bytes_SR in exchanges(call, spec, s):
         out[phase] += a2a_seconds(bytes_SR, hw)
+    if call.rounds > 1:  # the row exchanges (x and y out and back; x, dy and dx) pay their messages per round
+        messages = a2a_seconds(np.zeros_like(call.fwd_SR), hw)
+        out["fwd_a2a"] += 2 * (call.rounds - 1) * messages
+        out["bwd_a2a"] += 2 * (call.rounds - 1) * messages
     out["dense"] = float((f["dense_flops"] / (hw.peak_flops * hw.gemm_eff)).max()) * scale + hw.call_s
     out["select"] += float(f["select_pairs"].max()) * hw.select_pair_s * scale
     out["host"] = call.host_s

@@ -52,7 +52,7 @@ class LayerCall:
     bwd_SR: np.ndarray  # int64 (W, W) rows in the backward (lrmoe: kept pairs only)
     copies_R: np.ndarray  # expert copies per rank
     owned_R: np.ndarray
-    chunks_R: np.ndarray  # forward chunks per rank (1: computed at once)
+    chunks_R: np.ndarray  # forward chunks per rank (1: computed at once; in rounds: the rank's rounds)
     home_pairs_R: np.ndarray  # pairs each rank gathers/scatters at home, forward
     home_bwd_pairs_R: np.ndarray  # pairs each rank packs at home, backward
     score_pairs_R: np.ndarray  # scores each rank contributes to a global selection exchange
@@ -72,6 +72,8 @@ class LayerCall:
     host_live_s: float = 0.0  # the same planning's wall time on this machine (diagnostic only)
     once_host_s: float = 0.0  # one-time planning after this call, not in its time (lrmoe's first full search)
     planner_calls: dict = field(default_factory=dict)  # benchmarked planner -> calls in this call
+    bwd_chunks_R: np.ndarray | None = None  # backward chunks per rank (None: computed at once)
+    rounds: int = 1  # an exact call keeping nothing under a cap: every row exchange runs this many rounds
 
 
 @dataclass
@@ -152,7 +154,10 @@ class SystemPlanner:
             recomputes=not kept_to_backward(spec, keep, chunked=False).acts, resends_x=keep == KEEP_NOTHING,
             count_gather=spec.selective and not local, positions=local and keep not in (None, KEEP_NOTHING),
         )
-        call = replace(call, **self._memory(call, plan.chunk_rows_R, plan.bwd_chunk_rows_R, s))
+        chunk_R = _chunks(fwd_SR.sum(0), plan.rounds_R)
+        call = replace(call, bwd_chunks_R=_chunks(bwd_SR.sum(0), plan.bwd_chunk_rows_R),
+                       rounds=int(chunk_R.max()) if plan.rounds_R is not None else 1,
+                       **self._memory(call, plan.chunk_rows_R, plan.bwd_chunk_rows_R, s))
         return self._end_step(call, calls, live + live_bwd)
 
     def _backward_rows(self, plan, counts_SE: torch.Tensor, fwd_SR: np.ndarray, keep: str | None, local: bool,
