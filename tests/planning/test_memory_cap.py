@@ -1,6 +1,7 @@
 """What the planner does under one memory cap for every system (docs/design.md "The paper's
 regime"): symi takes fewer replicas only where its default slots do not fit; static that cannot
-fit raises naming the rank, its need and the cap; LAER with too few fixed slots is a slot error;
+fit keeping x keeps nothing and moves its rows in rounds, and below its experts and a one-row
+round raises naming the rank, its need and the cap; LAER with too few fixed slots is a slot error;
 the controller's and the budget's own errors; and lrmoe's keep mode (what the expert side keeps
 from forward to backward) is the richest that fits the cap."""
 
@@ -53,13 +54,18 @@ def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
     assert plan.keep == "x" and max(plan.peak_R) <= cap and [len(s) for s in plan.placement.slots] == default
     plan = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap)).plan_call(counts_SE)
     assert plan.keep is None and max(plan.peak_R) <= cap
-    # 0.4 ×: the default slots fit no way; derived from the cap, fewer copies (keeping x alone),
+    # 0.4 ×: the default slots, fixed, fit only with nothing kept and the rows in rounds; at the
+    # default copies' own bytes, no way; derived from the cap, fewer copies (keeping x alone),
     # re-planned inside the call and then at every step
     cap = int(0.4 * peak)
     fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=default))
+    plan = fixed.plan_call(counts_SE)
+    assert plan.keep == "nothing" and plan.rounds_R is not None and max(plan.peak_R) <= cap
+    low = max(default) * ByteModel.of(cfg).slot
+    fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=low, slots=default))
     with pytest.raises(MemoryBudgetExceeded, match="memory budget too small: rank") as err:
         fixed.plan_call(counts_SE)
-    assert err.value.cap == cap and err.value.needed > cap
+    assert err.value.cap == low and err.value.needed > low
     planner = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap))
     for _ in range(3):
         plan = planner.plan_call(counts_SE)
@@ -75,7 +81,7 @@ def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
     assert ample.slots_R == default
 
 
-def test_static_keeps_x_alone_below_its_peak_and_raises_below_one_row_chunks():
+def test_static_keeps_x_alone_below_its_peak_then_rounds_and_raises_below_a_one_row_round():
     cfg = MoEConfig(**CFG)
     counts_SE = _counts_SE(2)
     need = _static_peak(2, counts_SE)
@@ -85,26 +91,22 @@ def test_static_keeps_x_alone_below_its_peak_and_raises_below_one_row_chunks():
     plan = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=need - 1)).plan_call(counts_SE)
     assert plan.keep == "x" and max(plan.peak_R) <= need - 1
     assert plan.figures.keep_mode == "x"
-    # far below: not even one-row chunks fit beside x and dy of the rows and the owned experts
+    # far below: x and dy of the rows do not fit beside the experts: nothing kept, rows in rounds
     low = need // 3
+    plan = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=low)).plan_call(counts_SE)
+    assert plan.keep == "nothing" and plan.rounds_R is not None and max(plan.peak_R) <= low
+    # below the owned experts and a one-row round: every rank raises, naming the least that fits
+    bm = ByteModel.of(cfg, selective=False)
+    least = cfg.num_experts // 2 * bm.slot + max(bm.round_forward(1), bm.round_backward(1))
     with pytest.raises(MemoryBudgetExceeded) as err:
-        LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=low)).plan_call(counts_SE)
+        LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=least - 1)).plan_call(counts_SE)
     e = err.value
-    assert isinstance(e, ValueError) and e.cap == low and e.needed > low
+    assert isinstance(e, ValueError) and e.cap == least - 1 and e.needed == least
     msg = str(e)
-    assert f"rank {e.rank} needs {e.needed} bytes" in msg and f"is {low}" in msg
-    assert "x of every row kept to the backward, its forward and backward chunked" in msg and "lrmoe" in msg
-    # the need it names is the least that fits: one-row chunks
+    assert f"rank {e.rank} needs {e.needed} bytes" in msg and f"is {least - 1}" in msg
+    assert "nothing kept to the backward and every exchange in rounds of one row" in msg and "lrmoe" in msg
     at_need = LayerPlanner(spec_of("static"), cfg, 2, budget=ClusterBudget(memory_bytes=e.needed)).plan_call(counts_SE)
-    assert at_need.keep == "x" and max(at_need.peak_R) <= e.needed
-    assert at_need.chunk_rows_R[e.rank] == 1 and at_need.bwd_chunk_rows_R[e.rank] == 1
-    # a cap below the owned experts' parameters and gradients fails when the layer is built
-    with pytest.raises(MemoryBudgetExceeded, match="experts it owns"):
-        MoELayer(cfg, system="static-recompute", budget=ClusterBudget(memory_bytes=1000))
-    import pickle
-
-    again = pickle.loads(pickle.dumps(e))
-    assert (again.rank, again.needed, again.cap, str(again)) == (e.rank, e.needed, e.cap, msg)
+    assert at_need.keep == "nothing" and max(at_need.peak_R) <= e.needed and at_need.rounds_R[e.rank] == 1
 
 
 def test_laer_with_too_few_fixed_slots_is_a_slot_error_not_a_memory_one():
