@@ -40,14 +40,14 @@ def _budget(system: str, world: int, cap: int) -> tuple[ClusterBudget, dict]:
     return ClusterBudget(memory_bytes=cap, **topo), kw
 
 
-def cap_case(group, system: str, fraction: float, cap_bytes: int | None = None):
+def cap_case(group, system: str, fraction: float, cap_bytes: int | None = None, tokens: int = N):
     """``system`` under a cap of ``fraction`` × static's largest peak (or of ``cap_bytes``), with
     static (no cap) beside it. Returns ("ok", per-call records) or ("oom", the error's fields
     and message)."""
     cfg = MoEConfig(**CFG)
     world, rank = comm.world_size(group), comm.rank_of(group)
-    sd, x, g = skewed_tokens(cfg, N, SEED, "hot")
-    lo, hi = rank * N // world, (rank + 1) * N // world
+    sd, x, g = skewed_tokens(cfg, tokens, SEED, "hot")
+    lo, hi = rank * tokens // world, (rank + 1) * tokens // world
     static = MoELayer(cfg, group=group)
     static.load_full_state_dict(sd)
     static(x[lo:hi].clone().requires_grad_(True)).backward(g[lo:hi])
@@ -200,6 +200,15 @@ def test_exact_system_refused_only_below_its_experts_and_a_one_row_round(pool):
 def test_laer_assembles_fewer_experts_within_the_cap(pool):
     res = pool.run(4, cap_case, "laer", 0.85)
     assert _check(res, "laer") == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_laer_fits_half_of_static_peak_where_its_slices_do(pool, world):
+    """laer holds a slice of every expert and its gradient beside the experts it assembles: at 96
+    tokens that alone is more than half of static's peak, so it is refused there; at 256 tokens
+    (rows weigh more than experts) it fits half of static's peak, exact."""
+    res = pool.run(world, cap_case, "laer", 0.5, None, 256)
+    assert _check(res, "laer") == "ok", res[0][2]
 
 
 @pytest.mark.parametrize("system", ["static", "static-recompute", "symi"])
