@@ -74,7 +74,7 @@ def plan_rounds(rows_SR: torch.Tensor, chunk_R: list[int], layout: RowLayout, ra
     offset_SR = np.cumsum(rows, axis=0) - rows  # where source s's block starts in r's received order
     recv_R = rows.sum(0)
     chunks = np.maximum(np.asarray(chunk_R, dtype=np.int64), 1)
-    n_rounds = max(int(-(-recv_R // chunks).max()), 1)
+    n_rounds = max(int((-(-recv_R // chunks)).max()), 1)  # ceil(rows / chunk), the most of any rank
     send_start = np.cumsum(rows[rank]) - rows[rank]  # this rank's send block to each destination
     out = []
     for c in range(n_rounds):
