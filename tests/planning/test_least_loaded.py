@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lrmoe import ClusterBudget, MemoryBudgetExceeded, MoEConfig
+from lrmoe.memory.bytes import ByteModel
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.planner import LayerPlanner
@@ -141,6 +142,12 @@ def test_planner_under_a_cap_takes_the_most_copies_that_fit():
         seen.add((k, plan.keep))
     assert (4, None) in seen, "an ample cap: every copy, x and activations kept"
     assert any(k < 4 for k, _ in seen) and any(keep == "x" for _, keep in seen), seen
+    # a tenth of static's peak: no copy, nothing kept, the rows in rounds; below the owned experts
+    # and a one-row round, no way
+    plan = LayerPlanner(spec, cfg, 2, budget=ClusterBudget(memory_bytes=int(0.1 * max(static.peak_R)))).plan_call(
+        counts_SE)
+    assert plan.keep == "nothing" and plan.rounds_R is not None and plan.placement.num_copies == 8
+    bm = ByteModel.of(cfg, selective=False)
+    least = 4 * bm.slot + max(bm.round_forward(1), bm.round_backward(1))
     with pytest.raises(MemoryBudgetExceeded):
-        LayerPlanner(spec, cfg, 2, budget=ClusterBudget(memory_bytes=int(0.1 * max(static.peak_R)))).plan_call(
-            counts_SE)
+        LayerPlanner(spec, cfg, 2, budget=ClusterBudget(memory_bytes=least - 1)).plan_call(counts_SE)
