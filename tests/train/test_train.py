@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lrmoe.memory.bytes import ByteModel
 from lrmoe.systems import SYSTEMS
 from lrmoe.train.config import from_dict
 from lrmoe.train.loop import train
-from tests.helpers.train import TINY, losses, records, train_case, write_text_folder
+from tests.helpers.train import TINY, losses, records, tiny, train_case, write_text_folder
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
@@ -147,18 +148,19 @@ def test_glm45_preset_trains_with_bias_updates(pool2, tmp_path):
 
 
 def test_memory_cap_oom_recorded(pool2, tmp_path):
-    """Under a cap static cannot fit even keeping x alone in one-row chunks, its run stops
+    """Under a cap static cannot fit even in one-row rounds beside its experts, its run stops
     cleanly at step 1 as ``oom`` (summary, metrics, compare's results and report); lrmoe under a
-    cap static fits only by recomputing trains within it, by trimming. (At this shape lrmoe's
-    complete forward, x and y of every row, needs about what static's chunked passes need, so
-    no cap refuses static and admits lrmoe.)"""
+    cap static fits only by recomputing trains within it, by trimming. (lrmoe's complete
+    forward, x and y of every row, needs more than static's rounds, so no cap refuses static and
+    admits lrmoe.)"""
     from lrmoe.train.compare import summarise
     from lrmoe.train.report import report
 
     pool2.run(2, train_case, {"system": "static", "steps": 2}, str(tmp_path / "free"))
     peak = max(json.loads(line)["peak_expert_side_bytes"] for line in (tmp_path / "free" / "metrics.jsonl")
                .read_text().splitlines())
-    cap = int(0.35 * peak)
+    bm = ByteModel.of(tiny().model.moe, selective=False)
+    cap = tiny().model.moe.num_experts // 2 * bm.slot + max(bm.round_forward(1), bm.round_backward(1)) - 1
     budget = {"memory_bytes": cap}
     summary = pool2.run(2, train_case, {"system": "static", "steps": 3, "budget": budget}, str(tmp_path / "static"))
     assert all(s["status"] == "oom" and s["oom_step"] == 1 and "memory budget" in s["oom"] for s in summary), summary
