@@ -346,3 +346,20 @@ def test_what_if_grid():
             "static": {"status": "oom", "moe_time_to_target_s": None}, "lrmoe-local-sampled": lrmoe}
     assert what_if_reference(rows) == "static-recompute"
     assert what_if(lrmoe, recompute, 48)["1.00"]["1 ms"] == pytest.approx(100 * (1250 - 948) / 1250)
+
+
+def test_exact_systems_get_lrmoe_budget_search_where_their_step_does_not_fit():
+    """Below static's uncapped step, the same per-layer budget search lrmoe has lets static's
+    layers keep x alone and chunk (the layer's own fitter): its row fits the cap, with its exact
+    steps; the replicated baseline likewise where none of its slot counts fits uncapped."""
+    roomy = simulate(_small(memory_caps_gib=(1000.0,)), progress=False)[0]["caps"]["1000"]
+    need = min(roomy[name]["step_peak_bytes"] for name in ("static", "symi"))
+    cap_gib = round(0.85 * need / GIB, 2)
+    rows = simulate(_small(memory_caps_gib=(cap_gib,)), progress=False)[0]["caps"][f"{cap_gib:g}"]
+    for name in ("static", "symi"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["step_peak_bytes"] <= cap_gib * GIB, (name, row)
+        assert "uncapped step over the cap; per-layer budget" in row["note"], row["note"]
+        assert row["keep_modes"].get("x", 0) > 0 and row["steps_ratio"] == roomy[name]["steps_ratio"]
+        assert row["step_ms"] > roomy[name]["step_ms"]  # the recompute costs time
+        assert row["budget_search"]["trials"]

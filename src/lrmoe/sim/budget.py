@@ -74,8 +74,10 @@ def step_peak_bytes(spec: ModelSpec, calls: list[list[LayerCall]], s: int, opt: 
 
 
 def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: int, opt: float,
-                 slots: int | None = None) -> int:
-    """Largest per-layer expert-side budget M (bytes per rank) whose whole step fits the cap."""
+                 slots: int | None = None, system: str = TRIMMING_SYSTEM) -> int:
+    """Largest per-layer expert-side budget M (bytes per rank) whose whole step fits the cap,
+    every other layer holding the controller's most slots (``slots``: that many a rank); the
+    start of ``system``'s budget search."""
     config = spec.moe_config()
     base = Placement.static(spec.num_experts, world)
     owned = max(len(base.owned(r)) for r in range(world))
@@ -106,6 +108,6 @@ def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: in
             hi = mid - 1
     if best is None:
         least = owned * bytes_.slot
-        raise SimError(f"{TRIMMING_SYSTEM}: a {cap_bytes / GIB:.1f} GiB GPU cannot hold {spec.moe_layers} layers' "
+        raise SimError(f"{system}: a {cap_bytes / GIB:.1f} GiB GPU cannot hold {spec.moe_layers} layers' "
                        f"owned experts and states ({(spec.moe_layers * (least + state)) / GIB:.1f} GiB needed)")
     return best

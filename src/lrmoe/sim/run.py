@@ -84,6 +84,24 @@ class Projection:
         """The trimming system at its largest fitting budget (:func:`lrmoe.sim.search.lrmoe_at_cap`)."""
         return search.lrmoe_at_cap(self, cap, ratio)
 
+    def fit_exact(self, cap: int, calls_by: dict, notes: dict, extra: dict) -> None:
+        """Every system besides lrmoe whose step does not fit ``cap`` uncapped (the replicated
+        baseline: at none of its slot counts) gets lrmoe's per-layer budget search
+        (:func:`lrmoe.sim.search.exact_at_cap`): its calls, note and search replace the uncapped
+        ones in ``calls_by``, ``notes`` and ``extra`` where a budget fits; else the uncapped
+        run stays, reported ``oom``, with the search's note."""
+        for name, calls in list(calls_by.items()):
+            if calls is None or self.step_bytes(calls) <= cap:
+                continue
+            slots = search.default_slots(self) if name == REPLICATED_BASELINE else None
+            fitted, note, budget_search = search.exact_at_cap(self, name, cap, slots)
+            extra[name] = {**extra.get(name, {}), "budget_search": budget_search}
+            if fitted is None:
+                notes[name] = f"uncapped step over the cap; under a budget: {note}"
+                continue
+            calls_by[name] = fitted
+            notes[name] = f"uncapped step over the cap; {note}"
+
 
 def lrmoe_name(selection: str, ratio: float) -> str:
     """``lrmoe-<selection>`` (``lrmoe`` for lrm) with ``@ratio`` when a ratio caps the quotas."""
@@ -117,6 +135,7 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
         extra[REPLICATED_BASELINE] = {"slots_per_rank": symi["slots"], "slot_search": [
             {"slots": c["slots"], "step_ms": c["step_ms"], "step_peak_bytes": c["step_peak_bytes"],
              "fits": c["step_peak_bytes"] <= cap} for c in symi_candidates]}
+        proj.fit_exact(cap, calls_by, notes, extra)
         for ratio in cfg.ratios:
             name = lrmoe_name(cfg.selection, ratio)
             calls_by[name], notes[name], budget_search = proj.lrmoe(cap, ratio)

@@ -69,28 +69,48 @@ def best_symi(candidates: list[dict], cap: int) -> tuple[dict, str]:
 
 
 def lrmoe_at_cap(proj: Projection, cap: int, ratio: float) -> tuple[list[list[LayerCall]] | None, str, dict]:
-    """lrmoe at the largest per-layer budget M whose whole step fits ``cap``: trial runs of
-    the first :data:`PREFIX_STEPS` steps, from the conservative :func:`lrmoe_budget` towards
-    the cap (secant steps by the step's distance to the cap, inside the bracket of budgets
-    known to fit and not to fit), then the best trial continued to every step (and M lowered
-    by the excess if a later step no longer fits). Returns (calls or None, note, search)."""
-    cfg, spec = proj.cfg, proj.cfg.spec
-    fixed = None
-    if cfg.lrmoe_slots == LRMOE_SLOTS_FIXED:
-        fixed = default_slots(proj)
-    try:
-        M = lrmoe_budget(spec, cfg.gpus, cap, cfg.tokens_per_gpu, DTYPE_BYTES, cfg.optimizer_bytes_per_param,
-                         fixed)
-    except SimError as e:
-        return None, str(e), {}
+    """lrmoe at the largest per-layer budget M whose whole step fits ``cap``
+    (:func:`budgeted_at_cap`), its replicas its controller's cost search (or symi's default count
+    with ``--lrmoe-slots fixed``). Returns (calls or None, note, search)."""
+    cfg = proj.cfg
+    fixed = default_slots(proj) if cfg.lrmoe_slots == LRMOE_SLOTS_FIXED else None
     kw = dict(ratio=ratio, slots=fixed, selection=cfg.selection, network_bytes=cfg.network_bytes,
               link_gbps=cfg.link_gbps)
+    return budgeted_at_cap(proj, TRIMMING_SYSTEM, cap, kw)
+
+
+def exact_at_cap(proj: Projection, system: str, cap: int, slots: int | None = None
+                 ) -> tuple[list[list[LayerCall]] | None, str, dict]:
+    """An exact (or capacity-dropping) system whose uncapped step does not fit ``cap``, given the
+    same per-layer budget search as lrmoe (:func:`budgeted_at_cap`): under its budget M the
+    layer's own fitter keeps x alone, chunks the forward and the backward's recompute, and takes
+    replicas away (``slots``: the replicated baseline's count to start from; None: the system's
+    own, its owned experts for a fixed placement). Returns (calls or None, note, search)."""
+    return budgeted_at_cap(proj, system, cap, {"slots": slots} if slots is not None else {})
+
+
+def budgeted_at_cap(proj: Projection, system: str, cap: int, kw: dict
+                    ) -> tuple[list[list[LayerCall]] | None, str, dict]:
+    """``system`` (planner keywords ``kw``) at the largest per-layer budget M whose whole step
+    fits ``cap``: trial runs of the first :data:`PREFIX_STEPS` steps, from the conservative
+    :func:`lrmoe_budget` towards the cap (secant steps by the step's distance to the cap,
+    inside the bracket of budgets known to fit and not to fit), then the best trial continued
+    to every step (and M lowered by the excess if a later step no longer fits)."""
+    cfg, spec = proj.cfg, proj.cfg.spec
+    fixed = kw.get("slots")
+    if fixed is None and system != TRIMMING_SYSTEM:  # the start: every layer at its owned experts
+        fixed = len(SystemPlanner(system, proj.config, cfg.gpus, reference=proj.reference).planner.base.owned(0))
+    try:
+        M = lrmoe_budget(spec, cfg.gpus, cap, cfg.tokens_per_gpu, DTYPE_BYTES, cfg.optimizer_bytes_per_param,
+                         fixed, system)
+    except SimError as e:
+        return None, str(e), {}
     trials: list[dict] = []
     fit_run, fit_M, over_M, under_M, last_error = None, None, None, 0, ""
     prefix = min(PREFIX_STEPS, proj.counts.shape[0])
     for _ in range(BUDGET_TRIES):
         try:
-            run = proj.run(TRIMMING_SYSTEM, steps=prefix, memory_bytes=M, **kw)
+            run = proj.run(system, steps=prefix, memory_bytes=M, **kw)
         except SimError as e:  # too small a budget for some call
             trials.append({"budget_bytes": M, "error": str(e)})
             under_M, last_error = max(under_M, M), str(e)
@@ -120,10 +140,10 @@ def lrmoe_at_cap(proj: Projection, cap: int, ratio: float) -> tuple[list[list[La
     search = {"trials": trials}
     if fit_run is None:
         return None, f"no per-layer budget fits the cap ({last_error or 'every trial step over the cap'})", search
-    return _whole_run(proj, fit_run, fit_M, cap, kw, search)
+    return _whole_run(proj, system, fit_run, fit_M, cap, kw, search)
 
 
-def _whole_run(proj: Projection, fit_run: Run, fit_M: int, cap: int, kw: dict, search: dict
+def _whole_run(proj: Projection, system: str, fit_run: Run, fit_M: int, cap: int, kw: dict, search: dict
                ) -> tuple[list[list[LayerCall]] | None, str, dict]:
     """The best trial continued to every step; where a later step no longer fits, M lowered by
     the excess and the run repeated (three tries)."""
@@ -135,7 +155,7 @@ def _whole_run(proj: Projection, fit_run: Run, fit_M: int, cap: int, kw: dict, s
         fit_M -= step - cap
         search["trials"].append({"budget_bytes": fit_M, "note": "a later step did not fit: lowered"})
         try:
-            fit_run = proj.run(TRIMMING_SYSTEM, memory_bytes=fit_M, **kw)
+            fit_run = proj.run(system, memory_bytes=fit_M, **kw)
         except SimError as e:
             return None, str(e), search
     search["budget_bytes"] = fit_M
