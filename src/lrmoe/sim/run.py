@@ -86,15 +86,15 @@ class Projection:
 
     def fit_exact(self, cap: int, calls_by: dict, notes: dict, extra: dict) -> None:
         """Every system besides lrmoe whose step does not fit ``cap`` uncapped (the replicated
-        baseline: at none of its slot counts) gets lrmoe's per-layer budget search
+        baseline: at none of its slot counts; under the budget its slots then come from the cap)
+        gets lrmoe's per-layer budget search
         (:func:`lrmoe.sim.search.exact_at_cap`): its calls, note and search replace the uncapped
         ones in ``calls_by``, ``notes`` and ``extra`` where a budget fits; else the uncapped
         run stays, reported ``oom``, with the search's note."""
         for name, calls in list(calls_by.items()):
             if calls is None or self.step_bytes(calls) <= cap:
                 continue
-            slots = search.default_slots(self) if name == REPLICATED_BASELINE else None
-            fitted, note, budget_search = search.exact_at_cap(self, name, cap, slots)
+            fitted, note, budget_search = search.exact_at_cap(self, name, cap)
             extra[name] = {**extra.get(name, {}), "budget_search": budget_search}
             if fitted is None:
                 notes[name] = f"uncapped step over the cap; under a budget: {note}"
