@@ -86,7 +86,7 @@ class Projection:
 
     def fit_exact(self, cap: int, calls_by: dict, notes: dict, extra: dict) -> None:
         """Every system besides lrmoe whose step does not fit ``cap`` uncapped (the replicated
-        baseline: at none of its slot counts; under the budget its slots then come from the cap)
+        baseline: at none of its slot counts; it then keeps its default slots)
         gets lrmoe's per-layer budget search
         (:func:`lrmoe.sim.search.exact_at_cap`): its calls, note and search replace the uncapped
         ones in ``calls_by``, ``notes`` and ``extra`` where a budget fits; else the uncapped
@@ -94,7 +94,10 @@ class Projection:
         for name, calls in list(calls_by.items()):
             if calls is None or self.step_bytes(calls) <= cap:
                 continue
-            fitted, note, budget_search = search.exact_at_cap(self, name, cap)
+            # symi at its default slots, fixed: derived from the budget they would be re-planned
+            # inside every call that does not fit, whose host planning then dominates its step
+            slots = search.default_slots(self) if name == REPLICATED_BASELINE else None
+            fitted, note, budget_search = search.exact_at_cap(self, name, cap, slots)
             extra[name] = {**extra.get(name, {}), "budget_search": budget_search}
             if fitted is None:
                 notes[name] = f"uncapped step over the cap; under a budget: {note}"
