@@ -207,14 +207,16 @@ def test_laer_fits_half_of_static_peak_where_its_slices_do(pool, world):
     """laer holds a slice of every expert and its gradient beside the experts it assembles: at 96
     tokens that alone is more than half of static's peak, so it is refused there; at 256 tokens
     (rows weigh more than experts) it fits half of static's peak, exact."""
+    res = pool.run(world, cap_case, "laer", 0.5)
+    assert _check(res, "laer") == "oom" and "rounds of one row" in res[0][2][3], res[0][2]
     res = pool.run(world, cap_case, "laer", 0.5, None, 256)
     assert _check(res, "laer") == "ok", res[0][2]
 
 
-@pytest.mark.parametrize("system", ["static", "static-recompute", "symi"])
-def test_rounds_within_the_cap_are_exact(system):
-    """World size 1, a cap of the experts and three rows' rounds: 96 tokens' 192 rows go in
-    rounds of 3 through both passes, measured as predicted, with the uncapped call's gradients."""
+def _capped_beside_free(system: str, cap_of) -> tuple[dict, dict]:
+    """World size 1: one training call of ``system`` without a cap and one under the cap
+    ``cap_of(uncapped layer)``; asserts the capped call's dx and every gradient equal the
+    uncapped call's. Returns both calls' ``last_stats`` (uncapped, capped)."""
     torch.manual_seed(0)
     cfg = MoEConfig(**CFG)
     sd, x, g = skewed_tokens(cfg, N, SEED, "hot")
@@ -222,19 +224,27 @@ def test_rounds_within_the_cap_are_exact(system):
     free.load_full_state_dict(sd)
     xf = x.clone().requires_grad_(True)
     free(xf).backward(g)
-    bm = ByteModel.of(cfg, selective=False)
-    cap = cfg.num_experts * bm.slot + max(bm.round_forward(3), bm.round_backward(3))
-    layer = MoELayer(cfg, system=system, budget=ClusterBudget(memory_bytes=cap))
+    layer = MoELayer(cfg, system=system, budget=ClusterBudget(memory_bytes=cap_of(free)))
     layer.load_full_state_dict(sd)
     xs = x.clone().requires_grad_(True)
     layer(xs).backward(g)
-    s = layer.last_stats
-    assert s["keep_mode"] == "nothing" and s["fwd_chunk_rows"] == s["bwd_chunk_rows"] == 3, s
-    assert s["exchange_rounds"] == -(-s["recv_rows"] // 3)
-    assert s["peak_expert_side_bytes"] == s["predicted_peak_bytes"] == cap
     close("dx", xs.grad, xf.grad)
     for name, p in layer.named_parameters():
         close(name, p.grad, dict(free.named_parameters())[name].grad)
+    return dict(free.last_stats), dict(layer.last_stats)
+
+
+@pytest.mark.parametrize("system", ["static", "static-recompute", "symi"])
+def test_rounds_within_the_cap_are_exact(system):
+    """World size 1, a cap of the experts and three rows' rounds: 96 tokens' 192 rows go in
+    rounds of 3 through both passes, measured as predicted, with the uncapped call's gradients."""
+    cfg = MoEConfig(**CFG)
+    bm = ByteModel.of(cfg, selective=False)
+    cap = cfg.num_experts * bm.slot + max(bm.round_forward(3), bm.round_backward(3))
+    _, s = _capped_beside_free(system, lambda free: cap)
+    assert s["keep_mode"] == "nothing" and s["fwd_chunk_rows"] == s["bwd_chunk_rows"] == 3, s
+    assert s["exchange_rounds"] == -(-s["recv_rows"] // 3)
+    assert s["peak_expert_side_bytes"] == s["predicted_peak_bytes"] == cap
 
 
 @pytest.mark.parametrize("system", ["masked", "static-recompute", "static"])
@@ -243,21 +253,8 @@ def test_chunked_passes_within_the_cap_are_exact(system):
     (masked: ‖h‖² beside every row), and where that is not enough the backward recomputes in
     chunks too (static first keeps x alone); the measured peak is the predicted one, within the
     cap, and the gradients equal the uncapped call's."""
-    torch.manual_seed(0)
-    cfg = MoEConfig(**CFG)
-    sd, x, g = skewed_tokens(cfg, N, SEED, "hot")
-    free = MoELayer(cfg, system=system)
-    free.load_full_state_dict(sd)
-    xf = x.clone().requires_grad_(True)
-    free(xf).backward(g)
-    need = free.last_stats["peak_expert_side_bytes"]
-    layer = MoELayer(cfg, system=system, budget=ClusterBudget(memory_bytes=need - 1))
-    layer.load_full_state_dict(sd)
-    xs = x.clone().requires_grad_(True)
-    out = layer(xs)
-    out.backward(g)
-    s = layer.last_stats
-    assert s["peak_expert_side_bytes"] == s["predicted_peak_bytes"] <= need - 1
+    free, s = _capped_beside_free(system, lambda layer: layer.last_stats["peak_expert_side_bytes"] - 1)
+    assert s["peak_expert_side_bytes"] == s["predicted_peak_bytes"] <= free["peak_expert_side_bytes"] - 1
     rows = s["recv_rows"]
     if system == "static":
         assert s["keep_mode"] == "x"
@@ -265,6 +262,3 @@ def test_chunked_passes_within_the_cap_are_exact(system):
         assert s["bwd_chunk_rows"] < rows, s
     else:
         assert s["fwd_chunk_rows"] < rows and s["bwd_chunk_rows"] == rows, s
-    close("dx", xs.grad, xf.grad)
-    for name, p in layer.named_parameters():
-        close(name, p.grad, dict(free.named_parameters())[name].grad)

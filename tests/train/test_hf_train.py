@@ -120,10 +120,12 @@ def test_hf_run_resumes_from_its_checkpoint(folders, tmp_path):
     common = ("--config", folders["config"], "--hf-model", folders["qwen3-moe"], "--data", folders["corpus"],
               "--system", "symi", "--out", out)
     assert run_main("train", *common, "--steps", 5).returncode == 0
+    first = (out / "metrics.jsonl").read_text().splitlines()
     r = run_main("train", *common, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == \
-        list(range(1, 11))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 11))
+    assert lines[:5] == first  # steps 1-5 not run again (their timings would differ)
     assert (out / "hf" / "model.safetensors").is_file()
 
 
