@@ -22,7 +22,10 @@ from lrmoe.parallel.comm import to_device
 # The grouped-GEMM seam. Two products cover every expert GEMM:
 #   grouped_mm(a_RK, b_LKN, counts_L)       rows of group l times b[l]        -> (R, N)
 #   grouped_mm_wgrad(a_RM, b_RN, counts_L)  a_lᵀ · b_l, reduction over rows   -> (L, M, N)
-# Tests intercept these two names to count the rows each call processed.
+# Group l's rows are consecutive, the groups one after another, unless an operand's rows start
+# elsewhere (``*_starts_L``: the first row of each group in that operand): a backward that
+# compacted its saved rows in place leaves a gap after each group (lrmoe.passes.compaction).
+# Tests intercept these two names to count the rows each call processed (Σ counts_L).
 # --------------------------------------------------------------------------------------------
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
@@ -58,15 +61,32 @@ def _offsets(counts_L: torch.Tensor, device: torch.device) -> torch.Tensor:
 Slots = torch.Tensor | tuple[torch.Tensor, ...]  # (L, ·, ·) slot weights, or several sets one after another
 
 
+def _starts(counts_L: torch.Tensor, starts_L: torch.Tensor | None) -> list[int]:
+    """First row of each group: as given, or the groups back to back."""
+    if starts_L is not None:
+        return starts_L.tolist()
+    return (counts_L.cumsum(0) - counts_L).tolist()
+
+
+def _first(w: Slots) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w[0]
+
+
 def _segments(counts_L: torch.Tensor, sets: tuple[torch.Tensor, ...]) -> list[tuple[int, int, torch.Tensor]]:
-    """(first row, end row, counts of its slots) of each weight set's rows, slot-major."""
-    out, l0, r0 = [], 0, 0
-    for w in sets:
-        c = counts_L[l0 : l0 + w.shape[0]]
+    """(first row, end row, counts of its slots) of each weight set's rows, back to back."""
+    out, r0 = [], 0
+    for l0, l1 in _sets(sets):
+        c = counts_L[l0:l1]
         n = int(c.sum())
         out.append((r0, r0 + n, c))
-        l0, r0 = l0 + w.shape[0], r0 + n
+        r0 += n
     return out
+
+
+def _sets(sets: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+    """(first slot, end slot) of each weight set: their slots follow one another."""
+    ends = torch.tensor([w.shape[0] for w in sets]).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends))
 
 
 def grouped_mm(
@@ -75,78 +95,76 @@ def grouped_mm(
     counts_L: torch.Tensor,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    a_starts_L: torch.Tensor | None = None,
+    out_starts_L: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row-grouped product: rows of group l (``counts_L[l]`` consecutive rows) times ``b_LKN[l]``.
+    """Row-grouped product: rows of group l (``counts_L[l]`` rows) times ``b_LKN[l]``.
 
     ``b_LKN`` may be several weight sets (the owned experts' parameters, then the replicas'
     buffers): their slots follow one another, each set's rows are multiplied by it, and the
     sets are never concatenated (no second copy of the owned weights). ``out`` receives the
-    result (``accumulate``: added to what it holds)."""
-    if isinstance(b_LKN, torch.Tensor):
-        return _grouped_mm(a_RK, b_LKN, counts_L, out, accumulate)
-    if out is None:
-        out = a_RK.new_empty(a_RK.shape[0], b_LKN[0].shape[-1])
-    for (r0, r1, c), b in zip(_segments(counts_L, b_LKN), b_LKN):
-        _grouped_mm(a_RK[r0:r1], b, c, out[r0:r1], accumulate)
-    return out
-
-
-def _grouped_mm(a_RK: torch.Tensor, b_LKN: torch.Tensor, counts_L: torch.Tensor, out: torch.Tensor | None,
-                accumulate: bool) -> torch.Tensor:
-    R, N = a_RK.shape[0], b_LKN.shape[-1]
-    if R and _use_grouped_mm(a_RK, b_LKN, wgrad=False, into=out is not None):
+    result (``accumulate``: added to what it holds). ``a_starts_L`` / ``out_starts_L``: where
+    each group's rows start in ``a`` / ``out`` (None: back to back)."""
+    gapped = a_starts_L is not None or out_starts_L is not None
+    if not gapped and isinstance(b_LKN, torch.Tensor) and a_RK.shape[0] \
+            and _use_grouped_mm(a_RK, b_LKN, wgrad=False, into=out is not None):
         res = _GROUPED_MM(a_RK, b_LKN, offs=_offsets(counts_L, a_RK.device))
         if out is None:
             return res
         return out.add_(res) if accumulate else out.copy_(res)
     if out is None:
-        out = a_RK.new_empty(R, N)
-    start = 0
-    for l, n in enumerate(counts_L.tolist()):
-        if n:
-            rows = out[start : start + n]
+        out = a_RK.new_empty(int(counts_L.sum()), _first(b_LKN).shape[-1])
+    if not gapped and isinstance(b_LKN, tuple):  # each set over its own rows, fused where it may be
+        for (r0, r1, c), b in zip(_segments(counts_L, b_LKN), b_LKN):
+            grouped_mm(a_RK[r0:r1], b, c, out[r0:r1], accumulate)
+        return out
+    sets = (b_LKN,) if isinstance(b_LKN, torch.Tensor) else b_LKN
+    a0, o0, n_L = _starts(counts_L, a_starts_L), _starts(counts_L, out_starts_L), counts_L.tolist()
+    for (l0, l1), b in zip(_sets(sets), sets):
+        for l in range(l0, l1):
+            n = n_L[l]
+            if not n:
+                continue
+            rows, a_l = out[o0[l] : o0[l] + n], a_RK[a0[l] : a0[l] + n]
             if accumulate:
-                rows.addmm_(a_RK[start : start + n], b_LKN[l])
+                rows.addmm_(a_l, b[l - l0])
             else:
-                torch.mm(a_RK[start : start + n], b_LKN[l], out=rows)
-            start += n
+                torch.mm(a_l, b[l - l0], out=rows)
     return out
 
 
 def grouped_mm_wgrad(
     a_RM: torch.Tensor, b_RN: torch.Tensor, counts_L: torch.Tensor, out: Slots | None = None,
-    accumulate: bool = False,
+    accumulate: bool = False, a_starts_L: torch.Tensor | None = None, b_starts_L: torch.Tensor | None = None,
 ) -> Slots:
     """Per-group reduction over rows: out[l] = a_lᵀ · b_l (a weight gradient), zeros if empty.
 
     ``out`` several sets (:func:`grouped_mm`'s): each set's gradients from its rows.
     ``accumulate``: added to what ``out`` holds (a chunked backward's partial sums), group by
-    group with no full-size temporary, so groups without rows keep their value."""
-    if isinstance(out, tuple):
+    group with no full-size temporary, so groups without rows keep their value.
+    ``a_starts_L`` / ``b_starts_L``: where each group's rows start (None: back to back)."""
+    gapped = a_starts_L is not None or b_starts_L is not None
+    if not gapped and isinstance(out, tuple):  # each set's gradients from its own rows
         for (r0, r1, c), o in zip(_segments(counts_L, out), out):
-            _grouped_mm_wgrad(a_RM[r0:r1], b_RN[r0:r1], c, o, accumulate)
+            grouped_mm_wgrad(a_RM[r0:r1], b_RN[r0:r1], c, o, accumulate)
         return out
-    return _grouped_mm_wgrad(a_RM, b_RN, counts_L, out, accumulate)
-
-
-def _grouped_mm_wgrad(a_RM: torch.Tensor, b_RN: torch.Tensor, counts_L: torch.Tensor, out: torch.Tensor | None,
-                      accumulate: bool) -> torch.Tensor:
-    L, M, N = counts_L.numel(), a_RM.shape[1], b_RN.shape[1]
-    if (a_RM.shape[0] and not accumulate
+    if (not gapped and a_RM.shape[0] and not accumulate
             and _use_grouped_mm(a_RM.t(), b_RN, wgrad=True, into=out is not None)):
         res = _GROUPED_MM(a_RM.t(), b_RN, offs=_offsets(counts_L, a_RM.device))
         return res if out is None else out.copy_(res)
     if out is None:
-        out = a_RM.new_empty(L, M, N)
-    start = 0
-    for l, n in enumerate(counts_L.tolist()):
-        if n and accumulate:
-            out[l].addmm_(a_RM[start : start + n].t(), b_RN[start : start + n])
-        elif n:
-            torch.mm(a_RM[start : start + n].t(), b_RN[start : start + n], out=out[l])
-        elif not accumulate:
-            out[l].zero_()
-        start += n
+        out = a_RM.new_empty(counts_L.numel(), a_RM.shape[1], b_RN.shape[1])
+    sets = (out,) if isinstance(out, torch.Tensor) else out
+    a0, b0, n_L = _starts(counts_L, a_starts_L), _starts(counts_L, b_starts_L), counts_L.tolist()
+    for (l0, l1), o in zip(_sets(sets), sets):
+        for l in range(l0, l1):
+            n, o_l = n_L[l], o[l - l0]
+            if n and accumulate:
+                o_l.addmm_(a_RM[a0[l] : a0[l] + n].t(), b_RN[b0[l] : b0[l] + n])
+            elif n:
+                torch.mm(a_RM[a0[l] : a0[l] + n].t(), b_RN[b0[l] : b0[l] + n], out=o_l)
+            elif not accumulate:
+                o_l.zero_()
     return out
 
 
@@ -184,12 +202,13 @@ def _transposed(w: Slots) -> Slots:
 
 
 def gate_up_forward(
-    x_RD: torch.Tensor, gate_up_L2FD: Slots, counts_L: torch.Tensor
+    x_RD: torch.Tensor, gate_up_L2FD: Slots, counts_L: torch.Tensor, x_starts_L: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_RF, up_RF): the two input projections of each row's expert."""
+    """(gate_RF, up_RF): the two input projections of each row's expert (``x_starts_L``: where
+    each slot's x rows start, :func:`grouped_mm`)."""
     w_gate, w_up = _halves(gate_up_L2FD)
-    gate_RF = grouped_mm(x_RD, _transposed(w_gate), counts_L)
-    up_RF = grouped_mm(x_RD, _transposed(w_up), counts_L)
+    gate_RF = grouped_mm(x_RD, _transposed(w_gate), counts_L, a_starts_L=x_starts_L)
+    up_RF = grouped_mm(x_RD, _transposed(w_up), counts_L, a_starts_L=x_starts_L)
     return gate_RF, up_RF
 
 
@@ -213,6 +232,7 @@ def expert_backward(
     counts_L: torch.Tensor,
     acts: dict[str, torch.Tensor] | None = None,
     grads: tuple[Slots, Slots] | None = None,
+    saved_starts_L: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Slots, Slots]:
     """Backward of :func:`expert_forward` given dy (already multiplied by the routing weight).
 
@@ -220,34 +240,49 @@ def expert_backward(
     recomputed from x (recompute systems, LRMoE). ``acts`` and ``dy_RD`` are consumed: their
     buffers are overwritten (dx is returned in dy's). ``grads`` (dgate_up, ddown): the weight
     gradients are added into these (a chunk of a chunked backward) instead of new tensors.
+    ``saved_starts_L``: slot l's rows of x (and of the saved activations) start there, a gap
+    after each slot (kept rows compacted in place, :mod:`lrmoe.passes.compaction`); dy's rows,
+    and those of recomputed activations, are back to back.
     Returns (dx_RD, dgate_up_L2FD, ddown_LDF).
     """
+    x_at = saved_starts_L
     if acts is None:
-        gate_RF, up_RF = gate_up_forward(x_RD, gate_up_L2FD, counts_L)
+        gate_RF, up_RF = gate_up_forward(x_RD, gate_up_L2FD, counts_L, x_at)
         silu_RF = F.silu(gate_RF)
         h_RF = silu_RF * up_RF
+        acts_at = None
     else:
         gate_RF, up_RF, silu_RF, h_RF = (acts.pop(k) for k in ("gate", "up", "silu", "h"))
+        acts_at = x_at
     add = grads is not None
     sets = not isinstance(down_LDF, torch.Tensor)  # several sets: their gradients apart too
     dgate_up_L2FD, ddown_LDF = grads if add else (_each(torch.empty_like, gate_up_L2FD),
                                                   _each(torch.empty_like, down_LDF) if sets else None)
     # Every intermediate is written over a buffer that is no longer needed: on CPU a fresh
     # large tensor costs page faults comparable to the elementwise op itself.
-    ddown_LDF = grouped_mm_wgrad(dy_RD, h_RF, counts_L, out=ddown_LDF, accumulate=add)
-    dh_RF = grouped_mm(dy_RD, down_LDF, counts_L, out=h_RF)
-    dup_RF = silu_RF.mul_(dh_RF)
-    # d gate = silu'(g) · (dh ⊙ up), with ATen's fused silu_backward written over the gate.
-    dh_RF.mul_(up_RF)
-    dgate_RF = torch.ops.aten.silu_backward.grad_input(dh_RF, gate_RF, grad_input=gate_RF)
-    del h_RF, dh_RF, silu_RF, up_RF
+    ddown_LDF = grouped_mm_wgrad(dy_RD, h_RF, counts_L, out=ddown_LDF, accumulate=add, b_starts_L=acts_at)
+    dh_RF = grouped_mm(dy_RD, down_LDF, counts_L, out=h_RF, out_starts_L=acts_at)
+    for a, b in _row_spans(counts_L, acts_at, h_RF.shape[0]):
+        silu_RF[a:b].mul_(dh_RF[a:b])  # d up
+        # d gate = silu'(g) · (dh ⊙ up), with ATen's fused silu_backward written over the gate.
+        dh_RF[a:b].mul_(up_RF[a:b])
+        torch.ops.aten.silu_backward.grad_input(dh_RF[a:b], gate_RF[a:b], grad_input=gate_RF[a:b])
+    dup_RF, dgate_RF = silu_RF, gate_RF
+    del h_RF, dh_RF, up_RF
     w_gate, w_up = _halves(gate_up_L2FD)
     dw_gate, dw_up = _halves(dgate_up_L2FD)
-    grouped_mm_wgrad(dgate_RF, x_RD, counts_L, out=dw_gate, accumulate=add)
-    grouped_mm_wgrad(dup_RF, x_RD, counts_L, out=dw_up, accumulate=add)
-    dx_RD = grouped_mm(dgate_RF, w_gate, counts_L, out=dy_RD)
-    grouped_mm(dup_RF, w_up, counts_L, out=dx_RD, accumulate=True)
+    grouped_mm_wgrad(dgate_RF, x_RD, counts_L, out=dw_gate, accumulate=add, a_starts_L=acts_at, b_starts_L=x_at)
+    grouped_mm_wgrad(dup_RF, x_RD, counts_L, out=dw_up, accumulate=add, a_starts_L=acts_at, b_starts_L=x_at)
+    dx_RD = grouped_mm(dgate_RF, w_gate, counts_L, out=dy_RD, a_starts_L=acts_at)
+    grouped_mm(dup_RF, w_up, counts_L, out=dx_RD, accumulate=True, a_starts_L=acts_at)
     return dx_RD, dgate_up_L2FD, ddown_LDF
+
+
+def _row_spans(counts_L: torch.Tensor, starts_L: torch.Tensor | None, rows: int) -> list[tuple[int, int]]:
+    """The row ranges an elementwise pass covers: every row, or each slot's where there are gaps."""
+    if starts_L is None:
+        return [(0, rows)]
+    return [(a, a + n) for a, n in zip(starts_L.tolist(), counts_L.tolist()) if n]
 
 
 def zero_grads(gate_up_L2FD: Slots, down_LDF: Slots) -> tuple[Slots, Slots]:

@@ -154,3 +154,16 @@ def kept_to_backward(spec: SystemSpec, keep: str | None, chunked: bool) -> Kept:
     had every row's activations at once, so it keeps none."""
     keep = spec_keep(spec) if keep is None else keep
     return Kept(rows=keep in (KEEP_X, KEEP_X_ACTS), acts=keep == KEEP_X_ACTS and not chunked)
+
+
+IN_PLACE_FROM = 0.6  # a keep-x+acts backward compacts in place from this share of its saved rows kept
+
+
+def in_place(saved_rows: int, kept_rows: int) -> bool:
+    """Whether an expert side that kept x and the activations compacts its kept rows in place
+    (:mod:`lrmoe.passes.compaction`) rather than gathering them: a moved row costs about twice a
+    gathered one (out to a staging buffer and back) and dy and dx are reordered, so in place pays
+    from about 0.6 of the rows kept (benchmarks/bench_backward.py). Decided from the plan's row
+    counts alone, so the memory model knows it before any row moves: in place, nothing is
+    gathered and the saved tensors keep their size until the backward frees them."""
+    return 0 < kept_rows < saved_rows and kept_rows >= IN_PLACE_FROM * saved_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lrmoe.memory.bytes import H_SQ_BYTES, ByteModel, in_rounds, kept_to_backward
+from lrmoe.memory.bytes import H_SQ_BYTES, ByteModel, in_place, in_rounds, kept_to_backward
 from lrmoe.systems import SystemSpec, spec_of
 
 
@@ -66,8 +66,10 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
       rows (x, then each saved activation) out of the forward's, dropping each full tensor after
       its gather (nothing to gather when every row is kept) — after dy, because a local
       selection's dy message is what says which rows are kept; then the four recomputed
-      activations unless saved, and the replica-gradient send buffer. A chunked backward (an
-      exact one that recomputes) reads dy in its received order, so dy has no regrouped copy,
+      activations unless saved, and the replica-gradient send buffer. A call that kept the
+      activations and keeps most rows compacts them in place instead
+      (:func:`~lrmoe.memory.bytes.in_place`): no gather, the saved tensors keep their size.
+      A chunked backward (an exact one that recomputes) reads dy in its received order, so dy has no regrouped copy,
       and holds one chunk's activations and gathered dy rows at a time. The kept rows' positions
       (4 bytes a row in dy's message) or the global selections' one byte per forward row are
       bookkeeping, like the row plans' indices, and not counted.
@@ -117,10 +119,12 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
     regroup = work.world > 1 and work.copies > 1
     acts_rows = Rf
     chunked_bwd = work.bwd_chunk_rows is not None and work.bwd_chunk_rows < Rb
-    replay.receive(Rb, row, regroup and not chunked_bwd)  # dy (a chunked backward reads it unregrouped)
+    compact_in_place = spec.compacts and kept.acts and in_place(Rf, Rb)  # dy then reordered (a second buffer)
+    replay.receive(Rb, row, (regroup or compact_in_place) and not chunked_bwd)  # dy (chunked: read unregrouped)
     if spec.compacts and not kept.rows:
         replay.receive(Rb, row, regroup)  # x of the kept pairs, re-sent by their home ranks
-    if spec.compacts and kept.rows and Rb < Rf:  # the kept rows gathered out of the saved ones
+    if spec.compacts and kept.rows and Rb < Rf and not compact_in_place:
+        # the kept rows gathered out of the saved ones (compacted in place: nothing new held)
         acts_rows = Rb
         for size in [row] + ([acts_row // 4] * 4 if kept.acts else []):
             replay.reach(Rb * size)

@@ -7,6 +7,8 @@ buffers it delivers and frees.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lrmoe.memory.bytes import position_bytes
@@ -29,12 +31,16 @@ def to_experts(send_ND: torch.Tensor, layout: RowLayout, channel: Channel, regro
     return rows_RD
 
 
-def to_home(rows_RX: torch.Tensor, layout: RowLayout, channel: Channel, slot_major: bool = True) -> torch.Tensor:
+def to_home(rows_RX: torch.Tensor, layout: RowLayout, channel: Channel, slot_major: bool = True,
+            order_R: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`to_experts`: slot-major expert rows (``slot_major`` False: rows in
-    received order) back to their home ranks."""
-    if layout.regroup_idx is not None and slot_major:
+    received order; ``order_R``: row i is slot-major row ``order_R[i]``) back to their home ranks."""
+    if slot_major and (layout.regroup_idx is not None or order_R is not None):
+        place_R = order_R if layout.regroup_idx is None else comm.to_device(layout.regroup_idx, rows_RX.device)
+        if order_R is not None and layout.regroup_idx is not None:
+            place_R = place_R[order_R.to(place_R.device)]
         back = torch.empty_like(rows_RX)
-        back[comm.to_device(layout.regroup_idx, rows_RX.device)] = rows_RX
+        back[place_R.to(rows_RX.device)] = rows_RX
         rows_RX = back
     return channel.all_to_all(rows_RX, layout.recv_splits, layout.send_splits)
 
@@ -65,32 +71,48 @@ def position_dtype(rows: torch.Tensor) -> torch.dtype:
     return torch.int64 if position_bytes(rows.element_size()) == 8 else torch.int32
 
 
+@dataclass(frozen=True)
+class Delivered:
+    """Rows an exchange delivered to the expert side, in received order (source by source),
+    before they are put slot-major."""
+
+    rows_RD: torch.Tensor  # received rows (possibly a view of a wider message)
+    regroup_R: torch.Tensor | None  # received order → slot-major order (None: already slot-major)
+
+    def slot_major(self, channel: Channel, order_R: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows slot-major, contiguous — or, with ``order_R``, row i being slot-major row
+        ``order_R[i]`` — in one gather."""
+        index = self.regroup_R
+        if order_R is not None:
+            index = order_R if index is None else index[order_R]
+        if index is None:
+            return self.rows_RD.contiguous()
+        rows_RD = torch.index_select(self.rows_RD, 0, index)
+        channel.delivered(rows_RD)  # a second buffer, as :func:`to_experts`' regroup
+        channel.freed(self.rows_RD)
+        return rows_RD
+
+
 def to_kept_experts(dy_ND: torch.Tensor, pos_N: torch.Tensor, layout: RowLayout, fwd: RowLayout, channel: Channel
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    ) -> tuple[Delivered, torch.Tensor | None]:
     """:func:`to_experts` of the kept rows' dy under a :func:`~lrmoe.parallel.rows.kept_layout`,
-    each row's stratum position riding as extra columns. Returns dy slot-major and, in the same
-    order, each kept row's slot-major index among the forward's received rows (None: every row
-    kept)."""
+    each row's stratum position riding as extra columns. Returns dy as delivered and each kept
+    row's slot-major index among the forward's received rows, slot-major (None: every row kept)."""
     D = dy_ND.shape[1]
     recv_RX = channel.all_to_all(_with_columns(dy_ND, pos_N.to(position_dtype(dy_ND))), layout.send_splits,
                                  layout.recv_splits)
     recv_RD, pos_R = _split_columns(recv_RX, D, position_dtype(dy_ND))
     channel.delivered(recv_RD)
-    if layout.regroup_idx is None:
-        dy_RD = recv_RD.contiguous()
-    else:
-        regroup = comm.to_device(layout.regroup_idx, recv_RD.device)
-        dy_RD = recv_RD[regroup]
-        channel.delivered(dy_RD)
-        channel.freed(recv_RD)
+    device = recv_RD.device
+    regroup = None if layout.regroup_idx is None else comm.to_device(layout.regroup_idx, device)
+    delivered = Delivered(recv_RD, regroup)
     if layout.recv_rows == fwd.recv_rows:  # (kept ≤ forward rows in every block)
-        return dy_RD, None
+        return delivered, None
     # forward rows are slot-major: block (slot l, source s) starts at the rows of earlier blocks
     S, L = fwd.counts_SL.shape
     flat_LS = fwd.counts_SL.t().reshape(-1)
     start_SL = (flat_LS.cumsum(0) - flat_LS).view(L, S).t().reshape(-1)
-    device = recv_RD.device
     fwd_row_R = torch.repeat_interleave(comm.to_device(start_SL, device),
                                         comm.to_device(layout.counts_SL.reshape(-1), device),
                                         output_size=len(pos_R)) + pos_R.long()
-    return dy_RD, fwd_row_R if layout.regroup_idx is None else fwd_row_R[regroup]
+    return delivered, fwd_row_R if regroup is None else fwd_row_R[regroup]

@@ -27,7 +27,9 @@ def expert_rows_backward(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.T
     saved.slot_weights = None
     if acts is not None:
         meter.drop(*acts.values())
-        return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, acts)
+        starts_L = None if saved.in_place is None else saved.in_place.starts_L
+        return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, acts,
+                                       saved_starts_L=starts_L)
     # The expert backward works in place (dh over h, d up over silu, d gate over gate, dx over
     # dy), so its peak is the four (R, F) activations beside dy and x: already counted when
     # saved, recomputed otherwise: for every row at once, or for one chunk's rows where the

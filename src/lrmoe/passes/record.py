@@ -17,6 +17,7 @@ from lrmoe.parallel.comm import Channel, Group, WireCounter
 from lrmoe.parallel.replicas import Replicas
 from lrmoe.parallel.rounds import Rounds
 from lrmoe.parallel.rows import RowLayout
+from lrmoe.passes.compaction import InPlace
 from lrmoe.passes.stats import CallStats
 from lrmoe.planning.call_plan import CallPlan
 from lrmoe.planning.planner import LayerPlanner
@@ -69,9 +70,10 @@ class Saved:
     rows_RD: torch.Tensor | None = None  # the received x rows, slot-major
     acts: dict[str, torch.Tensor] | None = None  # gate, up, silu(gate), h of those rows
     slot_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # concatenated or assembled slot weights
+    in_place: InPlace | None = None  # the backward compacted its kept rows in place (lrmoe.passes.compaction)
 
     def clear(self) -> None:
-        self.rows_RD = self.acts = self.slot_weights = None
+        self.rows_RD = self.acts = self.slot_weights = self.in_place = None
 
 
 @dataclass

@@ -18,33 +18,37 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe import experts
-from lrmoe.memory.bytes import KEEP_NOTHING
-from lrmoe.memory.meter import MemoryMeter
+from lrmoe.memory.bytes import KEEP_NOTHING, in_place
 from lrmoe.parallel.comm import Channel
-from lrmoe.parallel.dispatch import to_experts, to_home, to_kept_experts
+from lrmoe.parallel.dispatch import Delivered, to_experts, to_home, to_kept_experts
 from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
+from lrmoe.passes.compaction import compact_in_place, gather_kept
 from lrmoe.passes.expert_rows import expert_rows_backward
-from lrmoe.passes.record import CallRecord, Saved
+from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import backward_in_rounds
 from lrmoe.passes.selectors import ForwardPairs, GlobalSelector, Kept, Selector, StrataSelector
 from lrmoe.systems import SystemSpec
 
 
-def _gather_kept(saved: Saved, kept_rows: torch.Tensor | None, meter: MemoryMeter) -> None:
-    """Keep-x backward: the kept rows of the saved x (and activations) gathered slot-major, each
-    full tensor dropped after its gather (``kept_rows`` None: every row kept, nothing to do)."""
+def _compact_kept(call: CallRecord, dy: Delivered, kept_rows: torch.Tensor | None, layout: RowLayout,
+                  channel: Channel) -> torch.Tensor:
+    """Keep-x backward: dy slot-major, and the saved rows of the kept pairs brought together per
+    slot (:mod:`lrmoe.passes.compaction`): in place where the plan says so (dy then taken in the
+    compacted rows' order), else gathered. ``kept_rows``: their slot-major indices among the
+    saved rows, in dy's slot-major order (None: every row kept, nothing to do)."""
+    saved, kept_recv_rows = call.saved, layout.recv_rows
     if kept_rows is None:
-        return
-    idx = kept_rows.to(saved.rows_RD.device)
-    full = saved.rows_RD
-    saved.rows_RD = full[idx]
-    meter.hold(saved.rows_RD)
-    meter.drop(full)
-    for k in () if saved.acts is None else tuple(saved.acts):
-        full = saved.acts[k]
-        saved.acts[k] = full[idx]
-        meter.hold(saved.acts[k])
-        meter.drop(full)
+        return dy.slot_major(channel)
+    if saved.acts is not None and in_place(call.rows.recv_rows, kept_recv_rows):
+        saved.in_place = compact_in_place([saved.rows_RD, *saved.acts.values()], kept_rows, call.rows.slot_counts,
+                                          layout.slot_counts)
+        return dy.slot_major(channel, saved.in_place.order_R.to(kept_rows.device))
+    tensors, had_acts = {"x": saved.rows_RD, **(saved.acts or {})}, saved.acts is not None
+    saved.rows_RD = saved.acts = None  # the dict holds the only references: each full tensor goes after its gather
+    gather_kept(tensors, kept_rows, call.meter)
+    saved.rows_RD = tensors.pop("x")
+    saved.acts = tensors if had_acts else None
+    return dy.slot_major(channel)
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,9 @@ class ForwardRows:
 
     def home(self, call: CallRecord, dx_RD: torch.Tensor, rows: BackwardRows, channel: Channel) -> torch.Tensor:
         """dx rows back to their home ranks, in the layout's send order (collective)."""
-        return to_home(dx_RD, rows.layout, channel, slot_major=rows.dy_slot_major)
+        in_place = call.saved.in_place
+        return to_home(dx_RD, rows.layout, channel, slot_major=rows.dy_slot_major,
+                       order_R=None if in_place is None else in_place.order_R)
 
 
 class RoundRows(ForwardRows):
@@ -148,9 +154,8 @@ class KeptInStrata(ForwardRows):
         return BackwardRows(layout, kept_pos_N=pos_N)
 
     def dispatch(self, call, dy_ND, x_TD, rows, channel):
-        dy_RD, kept_rows = to_kept_experts(dy_ND, rows.kept_pos_N, rows.layout, call.rows, channel)
-        _gather_kept(call.saved, kept_rows, call.meter)
-        return dy_RD, _take_saved(call)
+        dy, kept_rows = to_kept_experts(dy_ND, rows.kept_pos_N, rows.layout, call.rows, channel)
+        return _compact_kept(call, dy, kept_rows, rows.layout, channel), _take_saved(call)
 
 
 class KeptByMask(ForwardRows):
@@ -162,9 +167,10 @@ class KeptByMask(ForwardRows):
         return BackwardRows(layout, kept_rows=kept_rows)
 
     def dispatch(self, call, dy_ND, x_TD, rows, channel):
-        dy_RD = to_experts(dy_ND, rows.layout, channel)
-        _gather_kept(call.saved, rows.kept_rows, call.meter)
-        return dy_RD, _take_saved(call)
+        recv_RD = to_experts(dy_ND, rows.layout, channel, regroup=False)
+        regroup = None if rows.layout.regroup_idx is None else rows.layout.regroup_idx.to(recv_RD.device)
+        dy = Delivered(recv_RD, regroup)
+        return _compact_kept(call, dy, rows.kept_rows, rows.layout, channel), _take_saved(call)
 
 
 RowPath = ForwardRows  # every row path is one of its kinds

@@ -13,78 +13,83 @@ in order of descending score, pair i covering an interval of length π_i; one un
 in (0, 1) and the points u, u + 1, …, u + q − 1 pick the pairs whose intervals they fall in.
 Every pair is picked with probability exactly π_i and at most once (π_i ≤ 1); ordering by score
 stratifies the draw, so high- and low-score pairs are both represented. Everything is a few
-vectorised tensor operations over all groups at once (no per-group loop, no host sync), so it
-runs where the scores are.
+vectorised operations over all groups at once (no per-group loop, no host sync), written once
+for NumPy arrays (the host) and torch tensors (a device) (:mod:`lrmoe.selection.arrays`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from lrmoe.selection.arrays import (
+    Array,
+    arange,
+    as_tensor,
+    float64,
+    on_host,
+    order_by_group_then_key,
+    segment_sum,
+    xp,
+    zeros,
+)
+
 _EDGE = 1e-9  # offsets stay this far from 0 and 1, where float rounding could shift a count
 
-
-def order_by_group_then_key(groups_P: torch.Tensor, key_P: torch.Tensor) -> torch.Tensor:
-    """Indices sorted by (group asc, key desc, index asc)."""
-    by_key = torch.argsort(key_P, descending=True, stable=True)
-    by_group = torch.argsort(groups_P[by_key], stable=True)
-    return by_key[by_group]
+__all__ = ["group_sizes", "inclusion_probabilities", "order_by_group_then_key", "position_in_block", "sample",
+           "segment_cumsum", "systematic_sample"]
 
 
-def position_in_block(sorted_groups: torch.Tensor, sizes_G: torch.Tensor) -> torch.Tensor:
+def position_in_block(sorted_groups: Array, sizes_G: Array) -> Array:
     """For ids sorted into consecutive blocks, each element's position inside its block."""
     starts = sizes_G.cumsum(0) - sizes_G
-    return torch.arange(sorted_groups.numel(), device=sorted_groups.device) - starts[sorted_groups]
+    return arange(len(sorted_groups), sorted_groups) - starts[sorted_groups]
 
 
-def group_sizes(groups_P: torch.Tensor, G: int) -> torch.Tensor:
+def group_sizes(groups_P: Array, G: int) -> Array:
     """Members of each of G groups (``bincount`` without its device→host read of the maximum)."""
-    return torch.zeros(G, dtype=torch.long, device=groups_P.device).index_add_(0, groups_P, torch.ones_like(groups_P))
+    return segment_sum(xp(groups_P).ones_like(groups_P), groups_P, G)
 
 
-def segment_cumsum(x: torch.Tensor, groups: torch.Tensor, sizes_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_cumsum(x: Array, groups: Array, sizes_G: Array) -> tuple[Array, Array]:
     """Inclusive and exclusive cumulative sums inside each block of a block-sorted vector
     (``groups``: each element's block, ascending)."""
     total = x.cumsum(0)
-    start = (sizes_G.cumsum(0) - sizes_G)[groups]  # index of each element's block start
-    incl = total - torch.where(start > 0, total[(start - 1).clamp(min=0)], torch.zeros_like(total))
+    before = xp(x).concatenate([zeros(1, total, total.dtype), total])  # before[i]: Σ x[:i]
+    incl = total - before[sizes_G.cumsum(0) - sizes_G][groups]
     return incl, incl - x
 
 
-def inclusion_probabilities(score_P: torch.Tensor, groups_P: torch.Tensor, quota_G: torch.Tensor,
-                            floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inclusion_probabilities(score_P: Array, groups_P: Array, quota_G: Array, floor: float
+                            ) -> tuple[Array, Array, Array]:
     """π per pair for groups of non-negative finite scores, Σ_group π = quota (see the module
     docstring). Returns (order, π in that order, block sizes): ``order`` sorts pairs by (group,
     score desc, index)."""
-    G = quota_G.numel()
-    s_all = score_P.to(torch.float64)
+    G, w = len(quota_G), xp(score_P)
+    s_all = float64(score_P)
     order = order_by_group_then_key(groups_P, s_all)
     g, s = groups_P[order], s_all[order]
     n_G = group_sizes(groups_P, G)
     pos = position_in_block(g, n_G)
-    q_G = torch.minimum(quota_G.to(n_G.device), n_G).to(torch.float64)
-    q, n = q_G[g], n_G[g].to(torch.float64)
+    q_G = float64(w.minimum(quota_G, n_G))
+    q, n = q_G[g], float64(n_G)[g]
     # tail sums T_m = Σ_{i ≥ m} s_i inside each block; pair m is capped iff m < q and
     # s_m·(q − m) ≥ T_m, a prefix of the block (the condition only weakens as m grows)
-    incl, excl = segment_cumsum(s, g, n_G)
-    block_total = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, s)
-    tail = block_total[g] - excl
+    _, excl = segment_cumsum(s, g, n_G)
+    tail = segment_sum(s, g, G)[g] - excl
     capped = (pos < q) & (s * (q - pos) >= tail) & (tail > 0)
-    m_G = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, capped.to(torch.float64))
+    m_G = segment_sum(float64(capped), g, G)
     # the rest share q − m in proportion to their scores (uniformly if their scores are all zero)
-    rest_total = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(
-        0, g, torch.where(capped, torch.zeros_like(s), s))
+    rest = segment_sum(w.where(capped, 0.0, s), g, G)[g]
     left = (q_G - m_G)[g]
-    by_score = torch.where(rest_total[g] > 0, left * s / rest_total[g].clamp(min=1e-300),
-                           left / (n - m_G[g]).clamp(min=1))
-    pi = torch.where(capped, torch.ones_like(s), by_score).clamp(max=1.0)
-    lam = (floor * n / q.clamp(min=1)).clamp(max=1.0)
-    pi = (1 - lam) * pi + lam * q / n.clamp(min=1)
-    pi = _sum_to_quota(torch.where(q > 0, pi, torch.zeros_like(pi)), g, q_G)
-    return order, torch.where(q >= n, torch.ones_like(pi), pi), n_G  # a group kept whole: π = 1 exactly
+    by_score = w.where(rest > 0, left * s / rest.clip(min=1e-300), left / (n - m_G[g]).clip(min=1))
+    pi = w.where(capped, 1.0, by_score).clip(max=1.0)
+    lam = (floor * n / q.clip(min=1)).clip(max=1.0)
+    pi = (1 - lam) * pi + lam * q / n.clip(min=1)
+    pi = _sum_to_quota(w.where(q > 0, pi, 0.0), g, q_G)
+    return order, w.where(q >= n, 1.0, pi), n_G  # a group kept whole: π = 1 exactly
 
 
-def _sum_to_quota(pi: torch.Tensor, g: torch.Tensor, q_G: torch.Tensor) -> torch.Tensor:
+def _sum_to_quota(pi: Array, g: Array, q_G: Array) -> Array:
     """π with each group's sum exactly its quota, every π still in [0, 1].
 
     In exact arithmetic the capped π above already sum to q. In floats they may not: the tail
@@ -95,38 +100,49 @@ def _sum_to_quota(pi: torch.Tensor, g: torch.Tensor, q_G: torch.Tensor) -> torch
     handed to each pair in proportion to its room 1 − π (never past 1: the rooms sum to
     n − Σπ ≥ q − Σπ); an excess scales the group down. Any π in [0, 1] summing to q is an exact
     inclusion probability of the sample drawn with it, so the 1/π weights stay unbiased."""
-    G = q_G.numel()
-    total_G = torch.zeros(G, dtype=pi.dtype, device=pi.device).index_add_(0, g, pi)
-    room_G = torch.zeros_like(total_G).index_add_(0, g, 1 - pi)
+    G = len(q_G)
+    total_G = segment_sum(pi, g, G)
+    room_G = segment_sum(1 - pi, g, G)
     deficit = (q_G - total_G)[g]
-    topped = pi + deficit.clamp(min=0) * (1 - pi) / room_G[g].clamp(min=1e-300)
-    scaled = pi * (q_G / total_G.clamp(min=1e-300))[g]
-    return torch.where(deficit > 0, topped, scaled).clamp(0.0, 1.0)
+    topped = pi + deficit.clip(min=0) * (1 - pi) / room_G[g].clip(min=1e-300)
+    scaled = pi * (q_G / total_G.clip(min=1e-300))[g]
+    return xp(pi).where(deficit > 0, topped, scaled).clip(0.0, 1.0)
 
 
-def systematic_sample(order: torch.Tensor, pi_sorted: torch.Tensor, groups_P: torch.Tensor, sizes_G: torch.Tensor,
-                      quota_G: torch.Tensor, u_G: torch.Tensor) -> torch.Tensor:
+def systematic_sample(order: Array, pi_sorted: Array, groups_P: Array, sizes_G: Array, quota_G: Array,
+                      u_G: Array) -> Array:
     """Keep mask (over the original pairs) of a systematic sample: block g's points
     u_g + j, j < quota_g, on the line of its pairs' intervals (see the module docstring)."""
+    w = xp(pi_sorted)
     g = groups_P[order]
-    q_G = torch.minimum(quota_G.to(sizes_G.device), sizes_G).to(torch.float64)
-    total_G = torch.zeros_like(q_G).index_add_(0, g, pi_sorted)
+    q_G = float64(w.minimum(quota_G, sizes_G))
+    total_G = segment_sum(pi_sorted, g, len(q_G))
     # rescale each block's line to length exactly q (float rounding of Σ π), so the q points fit
-    scaled = pi_sorted * torch.where(total_G > 0, q_G / total_G.clamp(min=1e-300), torch.zeros_like(q_G))[g]
+    scaled = pi_sorted * w.where(total_G > 0, q_G / total_G.clip(min=1e-300), 0.0)[g]
     incl, excl = segment_cumsum(scaled, g, sizes_G)
-    u = (u_G.to(q_G) * (1 - 2 * _EDGE) + _EDGE)[g]
-    hits = torch.ceil(incl - u) - torch.ceil(excl - u)  # points in (excl, incl] shifted by u
-    keep = torch.zeros(order.numel(), dtype=torch.bool, device=order.device)
+    u = (float64(u_G) * (1 - 2 * _EDGE) + _EDGE)[g]
+    hits = w.ceil(incl - u) - w.ceil(excl - u)  # points in (excl, incl] shifted by u
+    keep = zeros(len(order), order, "bool")
     keep[order] = hits >= 1
     return keep
+
+
+def sample_arrays(score_P: Array, groups_P: Array, quota_G: Array, u_G: Array, floor: float
+                  ) -> tuple[Array, Array]:
+    """:func:`sample` on arrays of one library (NumPy on the host, torch on a device)."""
+    order, pi_sorted, n_G = inclusion_probabilities(score_P, groups_P, quota_G, floor)
+    keep = systematic_sample(order, pi_sorted, groups_P, n_G, quota_G, u_G)
+    pi = 0 * pi_sorted
+    pi[order] = pi_sorted
+    return keep, pi
 
 
 def sample(score_P: torch.Tensor, groups_P: torch.Tensor, quota_G: torch.Tensor, u_G: torch.Tensor,
            floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Exactly min(quota_g, n_g) pairs of each group g kept, π ∝ score (capped, floored);
-    returns (keep_P, π_P) over the original pair order."""
-    order, pi_sorted, n_G = inclusion_probabilities(score_P, groups_P, quota_G, floor)
-    keep = systematic_sample(order, pi_sorted, groups_P, n_G, quota_G, u_G)
-    pi = torch.empty_like(pi_sorted)
-    pi[order] = pi_sorted
-    return keep, pi
+    returns (keep_P, π_P) over the original pair order. CPU tensors are sampled through NumPy
+    (:mod:`lrmoe.selection.arrays`), device tensors where they are."""
+    device = score_P.device
+    host = [on_host(t.to(device)) for t in (score_P, groups_P, quota_G, u_G)]
+    keep, pi = sample_arrays(*host, floor)
+    return as_tensor(keep), as_tensor(pi)

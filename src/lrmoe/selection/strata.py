@@ -29,7 +29,18 @@ from lrmoe.config import BackwardConfig
 from lrmoe.parallel.comm import to_device
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
-from lrmoe.selection.sampling import group_sizes, order_by_group_then_key, position_in_block, sample, segment_cumsum
+from lrmoe.selection.arrays import (
+    Array,
+    as_tensor,
+    float64,
+    int64,
+    on_host,
+    order_by_group_then_key,
+    segment_sum,
+    xp,
+    zeros,
+)
+from lrmoe.selection.sampling import group_sizes, position_in_block, sample_arrays, segment_cumsum
 
 
 def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
@@ -100,9 +111,14 @@ def plan_strata(assignment: PairAssignment, placement: Placement, counts_SE: tor
 
 
 def strata_on(counts: StrataCounts, device: torch.device) -> Strata:
-    """Lay ``counts``' strata out over this rank's pairs on ``device`` (no device→host read)."""
-    sizes = to_device(torch.from_numpy(counts.sizes_G), device)
+    """Lay ``counts``' strata out over this rank's pairs on ``device`` (no device→host read;
+    on the host, laid out by NumPy)."""
     N, G = int(counts.sizes_G.sum()), len(counts.sizes_G)
+    if device.type == "cpu":
+        group_N = np.repeat(np.arange(G), counts.sizes_G)
+        start_N = (np.cumsum(counts.sizes_G) - counts.sizes_G)[group_N]
+        return Strata(counts, torch.from_numpy(group_N), torch.from_numpy(start_N), torch.from_numpy(counts.share_G))
+    sizes = to_device(torch.from_numpy(counts.sizes_G), device)
     group_N = torch.repeat_interleave(torch.arange(G, device=device), sizes, output_size=N)
     share_G = to_device(torch.from_numpy(counts.share_G), device)
     return Strata(counts, group_N, (sizes.cumsum(0) - sizes)[group_N], share_G)
@@ -134,23 +150,34 @@ def select_in_strata(scores_N: torch.Tensor, group_N: torch.Tensor, share_G: tor
 
     Returns (keep_N, scale_N: 1/π of kept pairs, 0 elsewhere, or None for ``local``, nonfinite).
     """
-    G = share_G.numel()
-    finite = torch.isfinite(scores_N)
-    bad = (~finite).long()
-    nf_G = torch.zeros(G, dtype=torch.long, device=scores_N.device).index_add_(0, group_N, bad)
+    u_G = None
+    if cfg.selection == "local-sampled":  # drawn first: the stream is the same on any device
+        u_G = torch.rand(share_G.numel() + 1, generator=generator, dtype=torch.float64)
+    device = scores_N.device
+    arrays = [on_host(t) for t in (scores_N, group_N, share_G.to(device))]
+    keep, scale, nonfinite = _select_arrays(*arrays, None if u_G is None else on_host(to_device(u_G, device)), cfg)
+    return as_tensor(keep), None if scale is None else as_tensor(scale), torch.as_tensor(nonfinite, device=device)
+
+
+def _select_arrays(scores_N: Array, group_N: Array, share_G: Array, u_G: Array | None, cfg: BackwardConfig
+                   ) -> tuple[Array, Array | None, Array]:
+    """:func:`select_in_strata` on arrays of one library (NumPy on the host, torch on a device)."""
+    G, w = len(share_G), xp(scores_N)
+    finite = w.isfinite(scores_N)
+    bad = int64(~finite)
+    nf_G = segment_sum(bad, group_N, G)
     nf_rank, _ = segment_cumsum(bad, group_N, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite pairs
     keep_nf = ~finite & (nf_rank <= share_G[group_N])
-    rest_G = torch.cat([(share_G - nf_G).clamp(min=0), share_G.new_zeros(1)])  # stratum G: the non-finite pairs
-    rest_group = torch.where(finite, group_N, G)
-    key_N = torch.where(finite, scores_N, torch.zeros_like(scores_N))
-    if cfg.selection == "local-sampled":
-        u_G = to_device(torch.rand(G + 1, generator=generator, dtype=torch.float64), scores_N.device)
-        keep_f, pi_N = sample(key_N.pow(cfg.score_power), rest_group, rest_G, u_G, cfg.p_min)
-        scale = torch.where(keep_f, 1.0 / pi_N.clamp(min=1e-300), keep_nf.to(pi_N.dtype))
+    rest_G = w.concatenate([(share_G - nf_G).clip(min=0), 0 * share_G[:1]])  # stratum G: the non-finite pairs
+    rest_group = w.where(finite, group_N, G)
+    key_N = w.where(finite, scores_N, 0.0)
+    if u_G is not None:  # local-sampled
+        keep_f, pi_N = sample_arrays(key_N ** cfg.score_power, rest_group, rest_G, u_G, cfg.p_min)
+        scale = w.where(keep_f, 1.0 / pi_N.clip(min=1e-300), float64(keep_nf))
     else:  # local: each stratum's top share by score, ties by pair order
         order = order_by_group_then_key(rest_group, key_N)
         pos = position_in_block(rest_group[order], group_sizes(rest_group, G + 1))
-        keep_f = torch.zeros_like(finite)
+        keep_f = zeros(len(finite), finite, "bool")
         keep_f[order] = pos < rest_G[rest_group[order]]
         scale = None
     return keep_f | keep_nf, scale, (nf_G > share_G).any()

@@ -1,0 +1,100 @@
+"""The kept rows of a keep-x backward brought together, by gathering them or where they lie.
+
+A backward that computes each kept pair where the forward kept its x (and activations) needs,
+per local slot, its kept rows in one block for the grouped GEMMs. Two ways:
+
+- **gather** (:func:`gather_kept`): every kept row of x and of each activation copied into new
+  slot-major tensors: ρ·R rows moved, a new allocation each;
+- **in place** (:func:`compact_in_place`): slot l's K_l kept rows made the first K_l rows of
+  its own block, by moving only the kept rows that lie beyond them into the dropped rows within
+  them. That moves at most min(K_l, R_l − K_l) rows a slot, about ρ(1 − ρ)·R in all: a tenth
+  of the gather's rows at ρ = 0.9. The blocks keep their places, so each slot's rows start at
+  its forward offset with a gap after them (the grouped GEMMs take per-slot starts,
+  :func:`lrmoe.experts.grouped_mm`), and the kept rows within a block are no longer in dy's
+  order: dy is put in theirs (``order_R``) and dx back.
+
+The saved activations make the gather expensive (4F + D values a row against dy's D), so a
+call that kept them and keeps most of its rows compacts in place
+(:func:`lrmoe.memory.bytes.in_place`); one that kept x alone gathers it (D values a row, and its
+recomputed activations are back to back). Rows move through a staging buffer of at most
+:data:`STAGING_ROWS` rows, bookkeeping like the row plans' indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lrmoe.memory.meter import MemoryMeter
+from lrmoe.parallel.comm import to_device
+
+STAGING_ROWS = 256  # rows moved at once when compacting in place
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Kept rows compacted in place: slot l's in rows [starts_L[l], starts_L[l] + kept_L[l])."""
+
+    starts_L: torch.Tensor  # int64, host: each slot's first row (its forward offset)
+    order_R: torch.Tensor  # the dy row (slot-major kept order) of each compacted row, slot after slot
+
+
+def gather_kept(tensors: dict[str, torch.Tensor], kept_rows: torch.Tensor, meter: MemoryMeter) -> None:
+    """Each tensor replaced by its kept rows, in ``kept_rows``' order; each full tensor let go
+    right after its gather (the dict holds the only reference)."""
+    for name in list(tensors):
+        full = tensors.pop(name)
+        tensors[name] = torch.index_select(full, 0, kept_rows.to(full.device))
+        meter.hold(tensors[name])
+        meter.drop(full)
+        del full
+
+
+def plan_in_place(kept_rows: np.ndarray, fwd_L: np.ndarray, kept_L: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, InPlace]:
+    """Which rows move where to compact in place. ``kept_rows``: each kept row's slot-major index
+    among the forward's rows, in dy's order (slot-major); ``fwd_L`` / ``kept_L``: forward and
+    kept rows per slot. Returns (source rows, destination rows, the layout after the moves)."""
+    R, K = int(fwd_L.sum()), len(kept_rows)
+    starts_L = np.cumsum(fwd_L) - fwd_L
+    slot_R = np.repeat(np.arange(len(fwd_L)), fwd_L)
+    head_R = np.arange(R) - starts_L[slot_R] < kept_L[slot_R]  # the first K_l rows of each block
+    kept_R = np.zeros(R, dtype=bool)
+    kept_R[kept_rows] = True
+    dy_of_R = np.zeros(R, dtype=np.int64)  # the dy row of each kept row
+    dy_of_R[kept_rows] = np.arange(K)
+    # the kept rows past each block's head fill its dropped head rows, both in ascending order:
+    # a slot has as many of one as of the other, and slots follow one another in both
+    src, dst = np.flatnonzero(kept_R & ~head_R), np.flatnonzero(head_R & ~kept_R)
+    dy_of_R[dst] = dy_of_R[src]
+    return src, dst, InPlace(torch.from_numpy(starts_L), torch.from_numpy(dy_of_R[head_R]))
+
+
+def move_rows(tensors: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> None:
+    """``t[dst] = t[src]`` for each tensor (disjoint rows), through a staging of at most
+    :data:`STAGING_ROWS` rows."""
+    if not len(src):
+        return
+    device = tensors[0].device
+    spans = [(to_device(torch.from_numpy(src[a : a + STAGING_ROWS]), device),
+              to_device(torch.from_numpy(dst[a : a + STAGING_ROWS]), device)) for a in range(0, len(src), STAGING_ROWS)]
+    for t in tensors:
+        staging = t.new_empty(min(len(src), STAGING_ROWS), *t.shape[1:])
+        for s, d in spans:
+            rows = staging[: len(s)]
+            torch.index_select(t, 0, s, out=rows)
+            t.index_copy_(0, d, rows)
+        del staging
+
+
+def compact_in_place(tensors: list[torch.Tensor], kept_rows: torch.Tensor, fwd_L: torch.Tensor,
+                     kept_L: torch.Tensor) -> InPlace:
+    """Compact the kept rows of the saved ``tensors`` in place (see the module docstring);
+    returns where each slot's rows now start and the order dy must take. Planned on the host: on
+    a device this reads the kept rows' indices back (one small read per call, beside the kept
+    counts the split sizes need)."""
+    src, dst, layout = plan_in_place(kept_rows.cpu().numpy(), fwd_L.numpy(), kept_L.numpy())
+    move_rows(tensors, src, dst)
+    return layout
