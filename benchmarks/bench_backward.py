@@ -3,13 +3,17 @@
     python benchmarks/bench_backward.py [--world 4] [--tokens 2048 --dim 256 --ffn 512
                                          --experts 16 --top-k 4] [--repeats 7] [--out FILE]
 
-Rows: static, static-recompute, lrmoe@1, lrmoe@0.5, lrmoe@0.25, masked@0.25, random@0.25,
-sampled@0.25, local-sampled@0.25 and @0.9 (the number is the quota ratio; ``lrmoe@`` is the
-paper's top-q by LRM score). Figures (medians over interleaved rounds, one thread per process):
-fwd_ms, bwd_ms (wall time around forward and backward, selection included), select_ms
-(scoring + selection exchange + packing), bwd_gemm_rows. With ``--world N`` it runs N gloo
-ranks of ``--tokens`` tokens each and adds bwd_a2a_bytes (max over ranks); times are then the
-max over ranks. JSON with ``--out``: {row: {figure: value}}.
+Rows: static, static-recompute; the default backward (``local-sampled``) at kept ratios
+ρ = 1, 0.9, 0.75, 0.5, 0.25 in each keep mode (``x+acts``: the expert side kept x and the
+activations; ``x``: x alone, gate/up/h recomputed; ``nothing``: home re-sends x of the kept
+pairs, re-spread min-peak); and the paper's top-q (``lrm@0.25``) and the masked ablation at
+0.25. Figures (medians over interleaved rounds, one thread per process): fwd_ms, bwd_ms (wall
+time around forward and backward, selection included), select_ms (scoring, selection, the kept
+rows' plan), bwd_gemm_rows, and ``floor``: the backward's GEMM work as a share of static's —
+kept rows × GEMM passes (6 with saved activations; 8 recomputing gate and up) over static's
+rows × 6 — the bwd / static a backward that costs only its GEMMs would reach. With
+``--world N`` it runs N gloo ranks of ``--tokens`` tokens each and adds bwd_a2a_bytes (max over
+ranks); times are then the max over ranks. JSON with ``--out``: {row: {figure: value}}.
 """
 
 from __future__ import annotations
@@ -23,18 +27,16 @@ from common import print_table, run_ranks, time_rows, write_json
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.parallel import comm
 
+RATIOS = (1.0, 0.9, 0.75, 0.5, 0.25)
+KEEPS = ("x+acts", "x", "nothing")
 ROWS = {
     "static": ("static", None),
     "static-recompute": ("static-recompute", None),
-    "lrmoe@1": ("lrmoe", BackwardConfig("lrm", ratio=1.0)),
-    "lrmoe@0.5": ("lrmoe", BackwardConfig("lrm", ratio=0.5)),
-    "lrmoe@0.25": ("lrmoe", BackwardConfig("lrm", ratio=0.25)),
-    "masked@0.25": ("masked", BackwardConfig("lrm", ratio=0.25)),
-    "random@0.25": ("lrmoe", BackwardConfig(selection="random", ratio=0.25)),
-    "sampled@0.25": ("lrmoe", BackwardConfig(selection="sampled", ratio=0.25)),
-    "local-sampled@0.25": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=0.25)),
-    "local-sampled@0.9": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=0.9)),
+    **{f"lrmoe@{r} {keep}": ("lrmoe", BackwardConfig(ratio=r, keep=keep)) for keep in KEEPS for r in RATIOS},
+    "lrm@0.25 x+acts": ("lrmoe", BackwardConfig("lrm", ratio=0.25, keep="x+acts")),
+    "masked@0.25": ("masked", BackwardConfig(ratio=0.25)),
 }
+GEMM_PASSES = {"static": 6, "static-recompute": 8, "x+acts": 6, "x": 8, "nothing": 8, "masked@0.25": 8}
 STAT_FIGURES = ("select_ms", "bwd_gemm_rows", "bwd_a2a_bytes")
 
 
@@ -82,11 +84,14 @@ def main(argv: list[str] | None = None) -> dict:
             r["bwd_a2a_bytes"] = int(max(rank[name]["bwd_a2a_bytes"] for rank in per_rank))
         rows[name] = r
     static = rows["static"]
-    for r in rows.values():
+    for name, r in rows.items():
         r["bwd_vs_static"] = r["bwd_ms"] / static["bwd_ms"]
+        passes = GEMM_PASSES.get(name) or GEMM_PASSES[name.split()[-1]]
+        r["floor"] = r["bwd_gemm_rows"] * passes / (static["bwd_gemm_rows"] * 6)
+        r["select_vs_static"] = r["select_ms"] / static["bwd_ms"]
         if args.world > 1:
             r["a2a_vs_static"] = r["bwd_a2a_bytes"] / static["bwd_a2a_bytes"]
-    columns = ["fwd_ms", "bwd_ms", "select_ms", "bwd_gemm_rows", "bwd_vs_static"]
+    columns = ["fwd_ms", "bwd_ms", "select_ms", "bwd_gemm_rows", "floor", "bwd_vs_static", "select_vs_static"]
     if args.world > 1:
         columns[4:4] = ["fwd_bwd_ms", "bwd_a2a_bytes"]
         columns.append("a2a_vs_static")

@@ -25,7 +25,7 @@ Planners, as the layer calls them (``lrmoe.planning.planner``):
 - ``flexmoe_replan``: flexmoe's greedy re-placement (between steps; ``--no-flexmoe`` skips it);
 - ``strata``: a local selection's kept counts at one rank (``lrmoe.selection.strata.plan_strata``: the
   quotas' largest-remainder shares over sources, split over the forward's holders, in send
-  order), once per lrmoe backward with the default selection.
+  order), once per lrmoe training call with the default selection (in its backward's plan).
 
 One thread. Calls run interleaved (one call of every planner and instance per round, after a
 warm-up round) and each row reports the median and p90 of the wall time over instances x

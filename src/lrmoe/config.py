@@ -16,6 +16,9 @@ SELECTIONS = ("lrm", "random", "local", "sampled", "local-sampled")
 # Selections with no exchange: every rank's share of q_e, and where each kept pair is computed,
 # follow from the counts alone (lrmoe.selection.strata)
 LOCAL_SELECTIONS = ("local", "local-sampled")
+# What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute")
+KEEP_X_ACTS, KEEP_X, KEEP_NOTHING = "x+acts", "x", "nothing"
+KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,7 +151,9 @@ class BackwardConfig:
     (heavier weights on rare pairs); 0 samples uniformly (weighted by c_e/q_e).
     ``ratio``: the fixed-ratio quota q_e = min(c_e, max(1, ceil(ratio·c_e − 1e-6))); 1 keeps
     every pair (an exact backward). With a :class:`ClusterBudget` the controller's quotas apply,
-    capped by the ratio's.
+    capped by the ratio's. ``keep``: what a compacting backward's expert side keeps from the
+    forward (``"x+acts"``, ``"x"``, ``"nothing"``), fixed instead of chosen per call by the
+    controller (None), for ablations and benchmarks; not with a memory cap, which chooses it.
     """
 
     selection: str = "local-sampled"
@@ -156,6 +161,7 @@ class BackwardConfig:
     seed: int = 0
     p_min: float = 0.01
     score_power: float = 0.5
+    keep: str | None = None
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -167,6 +173,8 @@ class BackwardConfig:
             raise _bad("score_power", self.score_power, "expected a number in [0, 2]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "expected an integer")
+        if self.keep is not None and self.keep not in KEEP_MODES:
+            raise _bad("keep", self.keep, f"expected None or one of {KEEP_MODES}")
 
     @property
     def local(self) -> bool:

@@ -76,6 +76,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"system={system!r} needs the topology: budget=ClusterBudget(ranks_per_node=...)")
         if routing_trace is not None and not spec.takes_trace:
             raise ValueError(f"routing_trace is used by {names_where(takes_trace=True)}, not system={system!r}")
+        if backward is not None and backward.keep is not None and not spec.compacts:
+            raise ValueError(f"backward keep={backward.keep!r} is for the compacting systems "
+                             f"{names_where(backward='selective')}, not system={system!r}")
+        if backward is not None and backward.keep is not None and budget is not None and budget.memory_bytes:
+            raise ValueError(f"backward keep={backward.keep!r} with a memory cap: the cap chooses what is kept")
         if not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
             raise ValueError(f"capacity_factor={capacity_factor!r} is invalid: expected a number > 0")
         positive_int("replan_interval", replan_interval)

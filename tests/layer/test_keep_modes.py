@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import BackwardConfig, MoEConfig, MoELayer
+from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
 from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.parallel import comm
-from lrmoe.planning.planner import LayerPlanner
 from tests.helpers.layer import QWEN, Recorder, close, make_problem, split_tokens
 from tests.helpers.pool import RankPool
 from tests.oracles.dense_moe import reference_grads
@@ -26,13 +25,10 @@ def pool():
     p.close()
 
 
-def _force(mp: pytest.MonkeyPatch, mode: str) -> None:
-    mp.setattr(LayerPlanner, "_keep_mode", lambda self, *args: mode)
-
-
-def modes_case(group, selection: str):
-    """Each mode against the reference with the layer's kept set and weights; the meter's peak
-    against the replay. Returns the per-mode (kept set, bwd bytes, bwd GEMM rows)."""
+def modes_case(group, selection: str, ratio: float):
+    """Each mode (``BackwardConfig.keep``) against the reference with the layer's kept set and
+    weights; the meter's peak against the replay (x+acts' kept rows gathered at ratio 0.5,
+    compacted in place at 0.8). Returns the per-mode (kept set, bwd bytes, bwd GEMM rows)."""
     cfg = MoEConfig(**QWEN)
     world, rank = comm.world_size(group), comm.rank_of(group)
     sd, x, g = make_problem(cfg, 48, 5, "none")
@@ -40,17 +36,15 @@ def modes_case(group, selection: str):
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     out = {}
     for mode in KEEP_MODES:
-        mp = pytest.MonkeyPatch()
-        try:
-            _force(mp, mode)
-            layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(selection, ratio=0.5, seed=3))
-            layer.load_full_state_dict(sd)
-            x_local = x[lo:hi].clone().requires_grad_(True)
-            layer(x_local).backward(g[lo:hi])
-        finally:
-            mp.undo()
+        layer = MoELayer(cfg, system="lrmoe", group=group,
+                         backward=BackwardConfig(selection, ratio=ratio, seed=3, keep=mode))
+        layer.load_full_state_dict(sd)
+        x_local = x[lo:hi].clone().requires_grad_(True)
+        layer(x_local).backward(g[lo:hi])
         s = layer.last_stats
         assert s["keep_mode"] == mode
+        if mode == KEEP_X_ACTS:
+            assert s["compaction"] == ("in place" if ratio > 0.6 else "gathered"), s["compaction"]
         keep = comm.all_gather(layer.last_kept, sizes, group) if world > 1 else layer.last_kept
         scale = None
         if layer.last_scale is not None:
@@ -70,8 +64,9 @@ def modes_case(group, selection: str):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("selection", ["lrm", "local-sampled"])
-def test_every_mode_equals_the_reference(pool, world, selection):
-    res = pool.run(world, modes_case, selection)
+@pytest.mark.parametrize("ratio", [0.5, 0.8])
+def test_every_mode_equals_the_reference(pool, world, selection, ratio):
+    res = pool.run(world, modes_case, selection, ratio)
     for r in res:
         kept = r[KEEP_NOTHING][0]
         assert all(torch.equal(r[m][0], kept) for m in KEEP_MODES), "the same kept set in every mode"
@@ -86,12 +81,11 @@ def bytes_case(group, system: str, ratio: float):
     try:
         cfg = MoEConfig(**QWEN)
         world, rank = comm.world_size(group), comm.rank_of(group)
-        if system == "lrmoe":
-            _force(mp, KEEP_X)
         rec = Recorder(mp, rank)
         sd, x, g = make_problem(cfg, 256, 7, "none")
         lo, hi = rank * 256 // world, (rank + 1) * 256 // world
-        kw = {"backward": BackwardConfig("local-sampled", ratio=ratio, seed=1)} if system == "lrmoe" else {}
+        backward = BackwardConfig("local-sampled", ratio=ratio, seed=1, keep=KEEP_X)
+        kw = {"backward": backward} if system == "lrmoe" else {}
         layer = MoELayer(cfg, system=system, group=group, **kw)
         layer.load_full_state_dict(sd)
         out = layer(x[lo:hi])
@@ -125,3 +119,15 @@ def test_local_sampled_keep_x_sends_less_than_static(pool):
     static = sum(r[0] for r in pool.run(4, bytes_case, "static", 1.0))
     lrmoe = sum(r[0] for r in pool.run(4, bytes_case, "lrmoe", 0.9))
     assert lrmoe < static, (lrmoe, static)
+
+
+def test_keep_is_checked():
+    """``BackwardConfig.keep`` names a mode, fixes a compacting system's, and is refused where
+    a cap chooses or the system keeps what its backward needs."""
+    cfg = MoEConfig(**QWEN)
+    with pytest.raises(ValueError, match="keep='all'"):
+        BackwardConfig(keep="all")
+    with pytest.raises(ValueError, match="compacting systems"):
+        MoELayer(cfg, system="static", backward=BackwardConfig(keep=KEEP_X))
+    with pytest.raises(ValueError, match="memory cap"):
+        MoELayer(cfg, system="lrmoe", backward=BackwardConfig(keep=KEEP_X), budget=ClusterBudget(memory_bytes=10**9))

@@ -75,17 +75,19 @@ def test_fixed_size_sampling_keeps_exactly_the_quota(pool, world, selection):
             assert dy_sent * row == dx_recv * (row + 4) and dy_recv * row == dx_sent * (row + 4), r[3]
 
 
-def weighted_case(group, selection):
-    """A sampled backward's gradients equal the reference's with exactly its kept pairs and weights."""
+def weighted_case(group, selection, ratio):
+    """A sampled backward's gradients equal the reference's with exactly its kept pairs and weights
+    (its kept rows gathered at 0.4, compacted in place at 0.8)."""
     cfg = MoEConfig(**QWEN)
     world, rank = comm.world_size(group), comm.rank_of(group)
     sd, x, g = make_problem(cfg, 48, 5, "none")
     sizes = split_tokens(48, world, None)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(selection, ratio=0.4, seed=3))
+    layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(selection, ratio=ratio, seed=3))
     layer.load_full_state_dict(sd)
     x_local = x[lo:hi].clone().requires_grad_(True)
     layer(x_local).backward(g[lo:hi])
+    assert layer.last_stats["compaction"] == ("in place" if ratio > 0.6 else "gathered")
     keep = comm.all_gather(layer.last_kept, sizes, group)
     scale = comm.all_gather(layer.last_scale, sizes, group)
     assert not bool(keep.all()) and bool((scale[keep] >= 1).all()) and bool((scale[~keep] == 0).all())
@@ -98,8 +100,9 @@ def weighted_case(group, selection):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("selection", ["sampled", "local-sampled"])
-def test_weighted_gradients_equal_reference(pool, world, selection):
-    pool.run(world, weighted_case, selection)
+@pytest.mark.parametrize("ratio", [0.4, 0.8])
+def test_weighted_gradients_equal_reference(pool, world, selection, ratio):
+    pool.run(world, weighted_case, selection, ratio)
 
 
 @pytest.mark.parametrize("selection", ["sampled", "local-sampled"])

@@ -29,9 +29,9 @@ def _planned(group, kw: dict, out: str, refuse=None, max_steps=None, resume=Fals
     exchange, before any row moves)."""
     from lrmoe.planning.planner import LayerPlanner
 
-    original, refused = LayerPlanner.plan_call, []
+    original, refused = LayerPlanner.plan_forward, []
 
-    def plan_call(self, counts_SE, forward_SE=None, training=True):
+    def plan_forward(self, counts_SE, forward_SE=None, training=True):
         try:
             if refuse is not None and refuse(self, training):
                 raise MemoryBudgetExceeded(self.rank, 10**9, 1, FORCED, "this call")
@@ -40,11 +40,11 @@ def _planned(group, kw: dict, out: str, refuse=None, max_steps=None, resume=Fals
             refused.append((int(counts_SE.sum()), training))
             raise
 
-    LayerPlanner.plan_call = plan_call
+    LayerPlanner.plan_forward = plan_forward
     try:
         return train_case(group, kw, out, resume=resume, max_steps=max_steps), refused
     finally:
-        LayerPlanner.plan_call = original
+        LayerPlanner.plan_forward = original
 
 
 def test_evaluation_that_does_not_fit_whole_runs_in_smaller_calls(pool2, tmp_path):

@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.config import MoEConfig
+from lrmoe.config import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, MoEConfig  # noqa: F401 (re-exported)
 from lrmoe.systems import SystemSpec
 
 # What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute"):
-KEEP_NOTHING = "nothing"  # home re-sends x of kept pairs (an exact call: of every pair, in rounds); recomputed
-KEEP_X = "x"  # the received x rows: only dy travels, to where the forward computed the pair; recomputed
-KEEP_X_ACTS = "x+acts"  # x and the activations: static's backward on the kept rows, no recompute
-KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
+# KEEP_NOTHING: home re-sends x of kept pairs (an exact call: of every pair, in rounds); recomputed
+# KEEP_X: the received x rows: only dy travels, to where the forward computed the pair; recomputed
+# KEEP_X_ACTS: x and the activations: static's backward on the kept rows, no recompute
 H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
 
 

@@ -35,12 +35,13 @@ def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, we
     # Router gradient, exact for every pair: d out_t / d w_tk = ⟨g_t, y_tk⟩.
     dweights_TK = torch.bmm(y_PD.view(T, K, x_TD.shape[1]), g_TD.unsqueeze(-1)).squeeze(-1)
 
-    t_select = time.perf_counter()  # scoring, selection exchange and packing
+    t_select = time.perf_counter()  # scoring, selection (and its exchange), the kept rows' plan
     kept = call.selector.select(call, g_TD, weights_TK, h_sq_P, channel)
     rows = call.path.rows(call, kept, channel)
     factor_P = call.path.factor(weights_TK.reshape(-1), kept)
-    dy_ND = g_TD[rows.layout.pair_idx // K].mul_(factor_P[rows.layout.pair_idx].unsqueeze(1))
     select_ms = (time.perf_counter() - t_select) * 1e3
+    # dy of the rows to send (every system packs its rows: not the selection's cost)
+    dy_ND = torch.index_select(g_TD, 0, rows.layout.pair_idx // K).mul_(factor_P[rows.layout.pair_idx].unsqueeze(1))
 
     dy_RD, rows_RD = call.path.dispatch(call, dy_ND, x_TD, rows, channel)
     del dy_ND

@@ -1,6 +1,11 @@
 """The routed experts' forward, in stages: plan → fetch weights → dispatch → compute → combine →
-save. The forward is complete (a forward drop removes its overflow first); what the backward
-needs is left in the call's record.
+plan the backward → save. The forward is complete (a forward drop removes its overflow first);
+what the backward needs is left in the call's record.
+
+The plan stage waits only for what the forward needs (placement, assignment, chunks); the
+backward's part of the plan (quotas, keep mode, strata, kept assignment:
+:mod:`lrmoe.planning.backward_plan`) is planned once the forward's rows and expert work have been
+issued, so on a GPU the host plans it while the device exchanges and computes them.
 """
 
 from __future__ import annotations
@@ -54,12 +59,14 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
         lay_out(call)
         y_home_ND = forward_in_rounds(call, x_TD, weights.gate_up, weights.down, channel)
         out_TD, y_PD, h_sq_P = outputs(call, x_TD, weights_TK, y_home_ND, None)
+        plan_backward(call)
         save(call, None, None, weights, gate_up)
     else:
         rows_RD = dispatch(call, x_TD, channel)
         y_RD, h_sq_R, acts = compute(call, rows_RD, weights)
         out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, h_sq_R, channel)
         del y_RD
+        plan_backward(call)  # the device still exchanges and computes what was just issued
         save(call, rows_RD, acts, weights, gate_up)
         del acts, rows_RD
     _report(call, channel, y_PD, weights_TK, h_sq_P, nbytes(gate_up, down), weights.moved_bytes, t0)
@@ -67,7 +74,7 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
 
 
 def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
-    """Count exchange (collective), the forward drop's selection if any, and the call's plan."""
+    """Count exchange (collective), the forward drop's selection if any, and the forward's plan."""
     planner = call.layer.planner
     E = planner.config.num_experts
     ids_P = call.ids_TK.reshape(-1)
@@ -79,10 +86,20 @@ def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
         sel = select(weights_TK.detach().reshape(-1).to(torch.float64), ids_P, counts_SE, quota_E,
                      BackwardConfig("lrm"), channel)
         call.forward_keep_P, forward_SE = sel.keep_P, sel.kept_SE
-    call.plan = planner.plan_call(counts_SE, forward_SE, call.training)
+    call.plan = planner.plan_forward(counts_SE, forward_SE, call.training)
     call.stats.figures = call.plan.figures
-    if call.training:
-        call.selector, call.path = row_paths.choose(call.layer.spec, call.plan.keep, call.layer.backward.local)
+
+
+def plan_backward(call: CallRecord) -> None:
+    """A training call's backward plan (pure, from the forward's: the planner's state is as the
+    plan stage left it), merged into the record's plan, and the backward's selection and row
+    path chosen from it. Before ``save``, which keeps what the plan's keep mode says."""
+    if not call.training:
+        return
+    layer = call.layer
+    call.plan = call.plan.with_backward(layer.planner.plan_backward(call.plan), layer.spec)
+    call.stats.figures = call.plan.figures
+    call.selector, call.path = row_paths.choose(layer.spec, call.plan.keep, layer.backward.local)
 
 
 def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, channel: Channel) -> SlotWeights:

@@ -42,10 +42,12 @@ def _compact_kept(call: CallRecord, dy: Delivered, kept_rows: torch.Tensor | Non
     if saved.acts is not None and in_place(call.rows.recv_rows, kept_recv_rows):
         saved.in_place = compact_in_place([saved.rows_RD, *saved.acts.values()], kept_rows, call.rows.slot_counts,
                                           layout.slot_counts)
+        call.stats.compaction = "in place"
         return dy.slot_major(channel, saved.in_place.order_R.to(kept_rows.device))
     tensors, had_acts = {"x": saved.rows_RD, **(saved.acts or {})}, saved.acts is not None
     saved.rows_RD = saved.acts = None  # the dict holds the only references: each full tensor goes after its gather
     gather_kept(tensors, kept_rows, call.meter)
+    call.stats.compaction = "gathered"
     saved.rows_RD = tensors.pop("x")
     saved.acts = tensors if had_acts else None
     return dy.slot_major(channel)
@@ -129,7 +131,8 @@ class MaskedRows(ForwardRows):
     """The forward's layout, the dy of dropped pairs zeroed: the selection's cost without its saving."""
 
     def factor(self, factor_P: torch.Tensor, kept: Kept) -> torch.Tensor:
-        return super().factor(factor_P, kept) * kept.keep_P
+        factor_P = super().factor(factor_P, kept)
+        return factor_P if kept.keep_P is None else factor_P * kept.keep_P
 
 
 class ResentRows(ForwardRows):
@@ -150,10 +153,14 @@ class KeptInStrata(ForwardRows):
     """Kept pairs computed where their x was kept; each kept row's position rides with its dy."""
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
+        if kept.keep_N is None:  # every pair kept: the forward's rows
+            return super().rows(call, kept, channel)
         layout, pos_N = kept_layout(call.rows, kept.strata, kept.keep_N)
         return BackwardRows(layout, kept_pos_N=pos_N)
 
     def dispatch(self, call, dy_ND, x_TD, rows, channel):
+        if rows.kept_pos_N is None:
+            return super().dispatch(call, dy_ND, x_TD, rows, channel)
         dy, kept_rows = to_kept_experts(dy_ND, rows.kept_pos_N, rows.layout, call.rows, channel)
         return _compact_kept(call, dy, kept_rows, rows.layout, channel), _take_saved(call)
 

@@ -13,7 +13,7 @@ from lrmoe.parallel.comm import Channel
 from lrmoe.passes.record import CallRecord
 from lrmoe.selection.global_selection import select
 from lrmoe.selection.scores import lrm_scores, squared_norms
-from lrmoe.selection.strata import Strata, plan_strata, select_in_strata, strata_on
+from lrmoe.selection.strata import Strata, select_in_strata, strata_on
 
 
 @dataclass(frozen=True)
@@ -67,15 +67,20 @@ class GlobalSelector(Selector):
 
 class StrataSelector(Selector):
     """``local``, ``local-sampled``: drawn in the strata the plan fixes, with no exchange and no
-    device→host read; returns the kept mask over the forward's send order too."""
+    device→host read; returns the kept mask over the forward's send order too. The strata's
+    counts were planned with the backward's plan, during the forward (the record's plan)."""
 
     def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor,
                channel: Channel) -> Kept:
         plan, layer = call.plan, call.layer
-        scores_P = _scores(call, g_TD, weights_TK, h_sq_P)
         own, _ = layer.streams.next()
-        strata = strata_on(plan_strata(plan.assignment, plan.placement, plan.counts_SE, plan.quota_E, layer.rank),
-                           scores_P.device)
+        if (plan.strata.share_G == plan.strata.sizes_G).all():  # every pair kept (host counts: no read, no draw)
+            kept_SE = plan.strata.kept_SE
+            sampled = layer.backward.selection == "local-sampled"  # its weights 1/π, here all 1
+            scale_P = torch.ones(call.ids_TK.numel(), dtype=torch.float64, device=g_TD.device) if sampled else None
+            return Kept(None, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite=False)
+        scores_P = _scores(call, g_TD, weights_TK, h_sq_P)
+        strata = strata_on(plan.strata, scores_P.device)
         send_N = call.rows.pair_idx  # every pair: a selective forward drops none
         keep_N, scale_N, nonfinite = select_in_strata(scores_P[send_N], strata.group_N, strata.share_G, layer.backward,
                                                       own)

@@ -37,7 +37,8 @@ class CallStats:
     quota_E: torch.Tensor | None = None  # pairs each expert's backward was to keep
     kept_E: torch.Tensor | None = None  # pairs each expert's backward kept
     bwd_gemm_rows: int | None = None  # rows through this rank's expert backward
-    select_ms: float | None = None  # scoring, selection and packing
+    compaction: str | None = None  # a keep-x backward that dropped rows: "in place" or "gathered" (passes.compaction)
+    select_ms: float | None = None  # scoring, selection (and exchange), the kept rows' plan; not dy's packing
     bwd_a2a_bytes: int | None = None
     bwd_a2a_recv_bytes: int | None = None
     bwd_a2a_inter_bytes: int | None = None

@@ -1,16 +1,28 @@
-"""What one layer call does, decided before any row moves and identical on every rank."""
+"""What one layer call does, decided before any row moves and identical on every rank.
+
+A training call's plan comes in two parts (:mod:`lrmoe.planning.backward_plan`): the forward's
+(placement, assignment, chunks), which the forward waits for, and the backward's (quotas, kept
+capacities, keep mode, strata, the kept pairs' assignment), planned while the forward's rows are
+exchanged and computed and merged in by :meth:`CallPlan.with_backward` before the forward saves.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
+from lrmoe.memory.bytes import spec_keep
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.figures import PlanFigures
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.placement import Placement
-from lrmoe.systems import Assignment
+from lrmoe.systems import Assignment, SystemSpec
+
+if TYPE_CHECKING:
+    from lrmoe.planning.backward_plan import BackwardPlan
+    from lrmoe.selection.strata import StrataCounts
 
 
 @dataclass(frozen=True)
@@ -32,13 +44,28 @@ class CallPlan:
     node_of: list[int] | None = None  # rank -> node, for a node-aware rule
     bwd_chunk_rows_R: list[int] | None = None  # rows each rank's backward recomputes at once (None: all at once)
     rounds_R: list[int] | None = None  # rows a round brings each rank, where the call's exchanges run in rounds
+    # the backward's part (:meth:`with_backward`; before it, a training call's forward plan only)
+    strata: StrataCounts | None = None  # a local selection: this rank's kept counts per stratum
+    kept_assignment: PairAssignment | None = None  # a local selection re-spread: where its kept pairs go
+    backward_planned: bool = False
 
     @property
     def stats(self) -> dict:
         """:attr:`figures` as the ``last_stats`` keys they fill."""
         return self.figures.as_dict()
 
+    def with_backward(self, backward: BackwardPlan, spec: SystemSpec) -> CallPlan:
+        """This forward plan with its backward's part: what a single planning pass gave."""
+        figures = replace(self.figures, keep_mode=backward.keep or spec_keep(spec))
+        return replace(self, kept_capacity_R=backward.kept_capacity_R, quota_E=backward.quota_E, keep=backward.keep,
+                       figures=figures, strata=backward.strata, kept_assignment=backward.kept_assignment,
+                       backward_planned=True)
+
     def assign_kept(self, kept_SE: torch.Tensor) -> PairAssignment:
         """Where a compacting backward that kept nothing computes its kept pairs: the forward's
-        rule on the kept counts, within the plan's kept capacities."""
+        rule on the kept counts, within the plan's kept capacities. A local selection's kept
+        counts are its strata's, known when the backward was planned: their assignment was
+        computed then (:mod:`lrmoe.planning.backward_plan`), off the backward's path."""
+        if self.kept_assignment is not None and torch.equal(kept_SE, self.strata.kept_SE):
+            return self.kept_assignment
         return assign_pairs(self.rule, kept_SE, self.placement, self.kept_capacity_R, self.node_of)

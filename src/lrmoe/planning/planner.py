@@ -24,9 +24,10 @@ import torch
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.memory.bytes import ByteModel, in_rounds, spec_keep
+from lrmoe.memory.bytes import ByteModel, in_rounds
 from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.backward_plan import BackwardPlan, plan_backward
 from lrmoe.planning.call_plan import CallPlan
 from lrmoe.planning.cap_fit import CapFitter, first_that_fits
 from lrmoe.planning.controller import Controller
@@ -35,7 +36,6 @@ from lrmoe.planning.figures import PlanFigures, cap_figures
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.peaks import Fit, RankPeaks
 from lrmoe.planning.placement import Placement
-from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.planning.replica_search import ReplicaCountSearch
 from lrmoe.planning.strategies import StrategyInputs, strategy_for
 from lrmoe.systems import PlacementKind, Planner, SystemSpec
@@ -193,12 +193,12 @@ class LayerPlanner:
         """Where each pair is computed (:func:`~lrmoe.planning.pair_rules.assign_pairs` by the spec's rule)."""
         return assign_pairs(self.spec.assignment, counts_SE, placement, capacity_R, self.node_of)
 
-    def plan_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor | None = None,
-                  training: bool = True) -> CallPlan:
-        """Plan one call from its global counts (``forward_SE``: the pairs a forward drop kept).
-        A training call updates the load and, for a selective backward, fixes the quotas. Under
-        a memory cap, raises :class:`MemoryBudgetExceeded` (on every rank alike) where the call
-        cannot fit."""
+    def plan_forward(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor | None = None, training: bool = True
+                     ) -> CallPlan:
+        """The forward's plan of one call from its global counts (``forward_SE``: the pairs a
+        forward drop kept): placement, assignment, chunks. A training call updates the load;
+        its backward's part follows from :meth:`plan_backward`. Under a memory cap, raises
+        :class:`MemoryBudgetExceeded` (on every rank alike) where the call cannot fit."""
         forward_SE = counts_SE if forward_SE is None else forward_SE
         if training:
             self.observe(counts_SE.sum(0))
@@ -209,22 +209,24 @@ class LayerPlanner:
         else:
             fit, figures, replanned = self._free_call(counts_SE, forward_SE, training)
         placement = fit.placement
-        kept_capacity_R = quota_E = keep = None
-        if self.spec.selective and training:
-            kept_capacity_R = self.controller.kept_capacity(placement) if self.controller is not None else None
-            quota_E = self.quotas(counts_SE.sum(0), placement, kept_capacity_R)
-        if self.spec.compacts and training:
-            keep = self._keep_mode(placement, fit.assignment, fit.chunk_rows_R, quota_E)
-        elif training:
-            keep = fit.keep  # an exact system's: None unless the cap made it keep less
+        # an exact system keeps what its fit says (None: its own); a compacting one what its backward plan says
+        keep = fit.keep if training and not self.spec.compacts else None
         capped = cap_figures(fit, self.memory_R, self.rank, training and not self.spec.compacts)
-        figures = replace(figures, keep_mode=(keep or spec_keep(self.spec)) if training else None,
-                          replica_slots=len(placement.slots[self.rank]), **capped)
+        figures = replace(figures, replica_slots=len(placement.slots[self.rank]), **capped)
         fetch = self.spec.placement is PlacementKind.PER_CALL or replanned
         rounds_R = fit.chunk_rows_R if in_rounds(self.spec, fit.keep) else None
-        return CallPlan(placement, counts_SE, forward_SE, fit.assignment, fit.chunk_rows_R, kept_capacity_R, quota_E,
-                        fetch, figures, fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R,
-                        rounds_R)
+        return CallPlan(placement, counts_SE, forward_SE, fit.assignment, fit.chunk_rows_R, None, None, fetch, figures,
+                        fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R, rounds_R)
+
+    def plan_backward(self, plan: CallPlan) -> BackwardPlan:
+        """The backward's part of a training call's plan (pure; :mod:`lrmoe.planning.backward_plan`)."""
+        return plan_backward(self, plan)
+
+    def plan_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor | None = None,
+                  training: bool = True) -> CallPlan:
+        """Both parts of one call's plan at once: what the layer's plan and deferred stages compute."""
+        plan = self.plan_forward(counts_SE, forward_SE, training)
+        return plan.with_backward(self.plan_backward(plan), self.spec) if training else plan
 
     def _fit_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
                   ) -> tuple[Fit, PlanFigures, bool]:
@@ -268,17 +270,13 @@ class LayerPlanner:
 
     def _keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
                    quota_E: torch.Tensor) -> str:
-        """What a compacting backward's expert side keeps (:func:`lrmoe.planning.peaks.keep_mode`)."""
+        """What a compacting backward's expert side keeps (:func:`lrmoe.planning.peaks.keep_mode`),
+        or what its ``BackwardConfig.keep`` fixes."""
+        if self.backward.keep is not None:
+            return self.backward.keep
         network_R = self.controller.network_R if self.controller is not None else None
         return peak_model.keep_mode(self.peaks, placement, assignment, chunk_rows_R, quota_E, network_R,
                                     self.backward.local)
-
-    def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None) -> torch.Tensor:
-        """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone."""
-        quota_E = fixed_ratio_quota(counts_E, self.backward.ratio)
-        if self.controller is not None:
-            quota_E = torch.minimum(quota_E, self.controller.quotas(counts_E, placement, cap_R))
-        return quota_E
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict:

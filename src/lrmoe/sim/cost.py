@@ -32,7 +32,10 @@ the CPU calibration (where the rates are fitted by least squares):
 - selection: scored pairs × ``select_pair_s`` (0 on GPU, where the sort passes above stand for
   it; fitted on CPU, where scoring and exact top-q run as many small ops);
 - host time: the library's planner calls in this call times their recorded benchmark cost
-  (:mod:`lrmoe.sim.host`), the same on every machine;
+  (:mod:`lrmoe.sim.host`), the same on every machine. What the forward waits for (and the
+  step's re-plan, and a backward's own) is on the critical path; the backward's plan, which the
+  layer computes once the forward's rows and expert work are issued, only where it outlasts
+  that device work (:func:`host_on_path`);
 - CPU only: ranks beyond ``cores`` share them, so compute and memory terms scale by W/cores.
 
 The layer call's time is the sum over phases of the slowest rank per phase (collectives
@@ -163,7 +166,8 @@ def layer_seconds(call: LayerCall, spec: ModelSpec, hw: Hardware, s: int = 2) ->
         + f["bwd_launches"] * hw.launch_s
     out = dict.fromkeys(PHASES, 0.0)
     out["fwd_compute"], out["bwd_compute"] = float(fwd.max()), float(bwd.max())
-    for phase, bytes_SR in exchanges(call, spec, s):
+    moves = exchanges(call, spec, s)
+    for phase, bytes_SR in moves:
         out[phase] += a2a_seconds(bytes_SR, hw)
     if call.rounds > 1:  # the row exchanges (x and y out and back; x, dy and dx) pay their messages per round
         messages = a2a_seconds(np.zeros_like(call.fwd_SR), hw)
@@ -171,6 +175,22 @@ def layer_seconds(call: LayerCall, spec: ModelSpec, hw: Hardware, s: int = 2) ->
         out["bwd_a2a"] += 2 * (call.rounds - 1) * messages
     out["dense"] = float((f["dense_flops"] / (hw.peak_flops * hw.gemm_eff)).max()) * scale + hw.call_s
     out["select"] += float(f["select_pairs"].max()) * hw.select_pair_s * scale
-    out["host"] = call.host_s
+    # the forward's device work after its plan: every forward exchange but the count all-gather
+    # the plan waits for (the first), and its expert compute
+    window = out["fwd_compute"] + out["fwd_a2a"] - a2a_seconds(moves[0][1], hw)
+    out["host"] = host_on_path(call, window, hw)
+    out["host_total"] = call.host_s + call.deferred_host_s  # every planner call, hidden or not (diagnostic)
     out["total"] = sum(out[p] for p in PHASES)
     return out
+
+
+def host_on_path(call: LayerCall, window_s: float, hw: Hardware) -> float:
+    """Host planning on a layer call's critical path: ``host_s`` (what the forward waits for,
+    the step's re-plan, a global selection's kept assignment in the backward) in full, plus
+    ``max(0, deferred_host_s − window_s)``: the backward's plan runs on the host once the layer
+    has issued the forward's exchanges and expert compute (``window_s`` seconds of device work,
+    the count all-gather excluded: the plan waits for it) and delays the device only by what it
+    outlasts them. A CPU (``hw.host_overlaps`` False) computes both on the same cores: all of it."""
+    if not hw.host_overlaps:
+        return call.host_s + call.deferred_host_s
+    return call.host_s + max(0.0, call.deferred_host_s - max(window_s, 0.0))

@@ -37,6 +37,7 @@ class Hardware:
     select_pair_s: float = 0.0  # per scored pair of a selection beyond its sort passes (CPU: fitted)
     per_expert_gemm: bool = False  # CPU: the grouped GEMM is a loop of one GEMM per expert
     cores: int | None = None  # CPU: ranks beyond this share cores (compute slows by ranks/cores)
+    host_overlaps: bool = True  # the host plans while the device works (False: a CPU, whose cores do both)
 
     def with_link_gbps(self, gbps: float) -> Hardware:
         """The same machine with an inter-node link of ``gbps`` Gbit/s per device."""

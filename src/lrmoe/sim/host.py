@@ -1,6 +1,8 @@
 """Host planning time of a layer call from a fixed reference, not from this machine's clock.
 
-The layer runs its planners on the host, on the critical path, so their time counts. Measuring
+The layer runs its planners on the host, so their time counts: what the forward waits for on
+the critical path, the backward's plan only where it outlasts the forward's device work it is
+planned during (:func:`lrmoe.sim.cost.host_on_path`; the simulator counts its calls apart). Measuring
 it live made the projection depend on how busy the simulation host was (a busy 2-core VM once
 tripled symi's planning time and flipped the sign of a headline figure). Instead, while the
 library's :class:`lrmoe.planning.planner.LayerPlanner` plans a call, :class:`PlannerCalls` counts how often
@@ -41,14 +43,16 @@ _TARGETS = (
     ("lrmoe.planning.strategies.shadow", "shadow_experts"),
     ("lrmoe.planning.strategies.assembled", "laer_layout"),
     ("lrmoe.planning.strategies.greedy", "flexmoe_replan"),
+    ("lrmoe.planning.backward_plan", "plan_strata"),  # a local selection's strata, in the backward's plan
 )
+_NAMES = {"plan_strata": "strata"}  # the benchmark's name where it is not the function's
 
 
 def _bench_name(attr: str, args: tuple, kwargs: dict) -> str:
     if attr == "min_peak_assignment":
         capacity = kwargs.get("capacity_R", args[2] if len(args) > 2 else None)
         return "assign_min_peak" if capacity is None else "assign_min_peak_cap"
-    return attr
+    return _NAMES.get(attr, attr)
 
 
 class PlannerCalls:

@@ -14,7 +14,11 @@ selections, whose strata are that split, and the expected split of the others' s
 Each rank's tokens are assumed to follow the global routing distribution (counts split evenly
 over source ranks): the simulator has global counts only. Host planning time is the count of
 the library's benchmarked planner calls times their recorded cost (:mod:`lrmoe.sim.host`), not
-this machine's clock; the live wall time is kept only as a diagnostic.
+this machine's clock; the live wall time is kept only as a diagnostic. It is counted in two
+parts, as the layer plans (:mod:`lrmoe.planning.backward_plan`): what the forward waits for (and
+the step's re-plan, and a global selection's kept assignment in the backward), and the
+backward's plan, which the layer computes while the forward's rows are exchanged and computed
+(``deferred_host_s``; how much of it stays on the critical path: :func:`lrmoe.sim.cost.layer_seconds`).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class LayerCall:
     refresh_SR: np.ndarray  # int64 (W, W) expert copies owner s sends holder r per step
     kept_pairs: int  # pairs whose expert backward is computed
     total_pairs: int
-    host_s: float  # reference host time of the library's planning calls for this call (sim.host)
+    host_s: float  # reference host time of the planning calls on the critical path (sim.host)
     peak_R: np.ndarray  # expert_side_peak per rank
     kept_bytes_R: np.ndarray  # bytes kept from forward to backward per rank
     tokens_per_rank: int
@@ -71,7 +75,9 @@ class LayerCall:
     positions: bool = False  # a keep-x local selection: each kept dy row carries its position (no mask)
     host_live_s: float = 0.0  # the same planning's wall time on this machine (diagnostic only)
     once_host_s: float = 0.0  # one-time planning after this call, not in its time (lrmoe's first full search)
-    planner_calls: dict = field(default_factory=dict)  # benchmarked planner -> calls in this call
+    planner_calls: dict = field(default_factory=dict)  # benchmarked planner -> calls in this call (both parts)
+    deferred_host_s: float = 0.0  # the same of the backward's plan, planned during the forward's device work
+    deferred_planner_calls: dict = field(default_factory=dict)  # the calls of that plan
     bwd_chunks_R: np.ndarray | None = None  # backward chunks per rank (None: computed at once)
     rounds: int = 1  # an exact call keeping nothing under a cap: every row exchange runs this many rounds
 
@@ -126,12 +132,14 @@ class SystemPlanner:
         spec = planner.spec
         counts_SE = torch.from_numpy(np.asarray(split_sources(counts_E, W) if counts_SE is None else counts_SE,
                                                 dtype=np.int64))
-        calls = PlannerCalls()
+        calls, deferred = PlannerCalls(), PlannerCalls()  # in sequence, never nested
         t0 = time.perf_counter()
-        with calls:
+        with calls:  # what the forward waits for
             fwd_quota_E = planner.forward_quota(counts_SE)
             fwd_SE = None if fwd_quota_E is None else torch.from_numpy(split_sources(fwd_quota_E.numpy(), W))
-            plan = planner.plan_call(counts_SE, fwd_SE, training=True)
+            plan = planner.plan_forward(counts_SE, fwd_SE, training=True)
+        with deferred:  # the backward's plan, issued after the forward's rows and experts
+            plan = plan.with_backward(planner.plan_backward(plan), spec)
         live = time.perf_counter() - t0
         fwd_SR = plan.assignment.rows_SR().numpy()
         score_R = np.zeros(W, np.int64)
@@ -142,7 +150,7 @@ class SystemPlanner:
         bwd_SR, kept, live_bwd = fwd_SR, int(plan.forward_SE.sum()), 0.0
         if plan.quota_E is not None:
             score_R = self._score_pairs(counts_SE, plan.quota_E)
-            bwd_SR, kept, live_bwd = self._backward_rows(plan, counts_SE, fwd_SR, keep, local, calls)
+            bwd_SR, kept, live_bwd = self._backward_rows(plan, counts_SE, fwd_SR, keep, calls)
         call = LayerCall(
             system=self.system, fwd_SR=fwd_SR, bwd_SR=bwd_SR, copies_R=np.array([len(x) for x in plan.placement.slots]),
             owned_R=np.array(planner.base.owned_counts), chunks_R=_chunks(fwd_SR.sum(0), plan.chunk_rows_R),
@@ -158,21 +166,20 @@ class SystemPlanner:
         call = replace(call, bwd_chunks_R=_chunks(bwd_SR.sum(0), plan.bwd_chunk_rows_R),
                        rounds=int(chunk_R.max()) if plan.rounds_R is not None else 1,
                        **self._memory(call, plan.chunk_rows_R, plan.bwd_chunk_rows_R, s))
-        return self._end_step(call, calls, live + live_bwd)
+        return self._end_step(call, calls, deferred, live + live_bwd)
 
-    def _backward_rows(self, plan, counts_SE: torch.Tensor, fwd_SR: np.ndarray, keep: str | None, local: bool,
+    def _backward_rows(self, plan, counts_SE: torch.Tensor, fwd_SR: np.ndarray, keep: str | None,
                        calls: PlannerCalls) -> tuple[np.ndarray, int, float]:
         """A selective backward's rows per (source, destination), its kept pairs, and the live
-        time of its host planning."""
-        if local:  # the backward plans its strata on the host (lrmoe.selection.strata.plan_strata)
-            calls.counts["strata"] += 1
+        time of its host planning (a local selection's strata and kept assignment were planned
+        with the backward's plan; a global selection's kept pairs are assigned in the backward)."""
         kept, live = int(plan.quota_E.sum()), 0.0
         if not self.planner.spec.compacts:
             return fwd_SR, kept, live
         kept_SE = largest_remainder(plan.quota_E, counts_SE)
         if keep == KEEP_NOTHING:  # re-spread min-peak within the kept capacities (the layer's rows)
             t0 = time.perf_counter()
-            with calls:
+            with calls:  # a local selection's: planned with the backward's plan (CallPlan.kept_assignment)
                 bwd_SR = plan.assign_kept(kept_SE).rows_SR().numpy()
             return bwd_SR, kept, time.perf_counter() - t0
         # computed where the forward computed them (the forward's assignment restricted)
@@ -195,7 +202,7 @@ class SystemPlanner:
                                  for r in range(W)])
         return {"peak_R": peak_R, "kept_bytes_R": kept_bytes_R}
 
-    def _end_step(self, call: LayerCall, calls: PlannerCalls, live: float) -> LayerCall:
+    def _end_step(self, call: LayerCall, calls: PlannerCalls, deferred: PlannerCalls, live: float) -> LayerCall:
         """The optimizer step's end (replicas re-planned when due) and the call's host time.
         lrmoe's first replica-count search scores every candidate once per run (later ones walk
         from its choice): a one-time cost, reported apart, not in the step time."""
@@ -207,7 +214,9 @@ class SystemPlanner:
             planner.step_end()  # re-plans replicas when due (symi every step; lrmoe's cost search every step)
         live += time.perf_counter() - t0
         return replace(call, host_s=host_seconds(calls.counts, self.per_call_ms), host_live_s=live,
-                       planner_calls=dict(calls.counts),
+                       planner_calls=dict(calls.counts + deferred.counts),
+                       deferred_host_s=host_seconds(deferred.counts, self.per_call_ms),
+                       deferred_planner_calls=dict(deferred.counts),
                        once_host_s=host_seconds(once.counts, self.per_call_ms) if first_search else 0.0)
 
     def _score_pairs(self, counts_SE: torch.Tensor, quota_E: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,75 @@
+"""The backward's part of a training call's plan, computed off the forward's critical path.
+
+The forward needs only the placement, its assignment and its chunks; the quotas, the kept
+capacities, a compacting backward's keep mode, a local selection's strata and, where the kept
+pairs are re-spread, their assignment are needed first by the forward's ``save`` (the keep
+mode) and then by the backward. So the layer plans them after the forward's rows and expert
+work have been issued (:func:`lrmoe.passes.forward.plan_backward`): on a GPU the host computes
+them while the device exchanges and computes the forward's rows; on the CPU they simply run
+later. Every input is in the forward's plan, so the result is the one a single planning pass
+gave, bit for bit (tests/planning/test_backward_plan.py); nothing here changes planner state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lrmoe.memory.bytes import KEEP_NOTHING
+from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.pair_rules import assign_pairs
+from lrmoe.planning.placement import Placement
+from lrmoe.planning.quota_ratio import fixed_ratio_quota
+from lrmoe.selection.strata import StrataCounts, plan_strata
+
+if TYPE_CHECKING:  # the planner drives this module
+    from lrmoe.planning.call_plan import CallPlan
+    from lrmoe.planning.planner import LayerPlanner
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What a training call's backward needs and its forward does not (None: not this call's)."""
+
+    kept_capacity_R: list[int] | None = None  # backward rows each rank may keep (None: unbounded)
+    quota_E: torch.Tensor | None = None  # selective backward: pairs each expert keeps
+    keep: str | None = None  # what the expert side keeps (KEEP_MODES; None: its system's)
+    strata: StrataCounts | None = None  # a local selection: this rank's kept counts per stratum
+    kept_assignment: PairAssignment | None = None  # a local selection re-spread (keep nothing): where kept pairs go
+
+
+def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
+    """The backward's plan of a training call from its forward ``plan`` (pure): the controller's
+    kept capacities and quotas, the keep mode, and for a local selection this rank's strata and,
+    where a compacting backward keeps nothing, the min-peak assignment of its kept pairs — the
+    strata fix the kept counts per source from the plan alone, so that assignment is known now
+    (a global selection's depends on its scores: its backward assigns them)."""
+    spec = planner.spec
+    if not spec.selective:  # an exact backward: what the forward's fit keeps, nothing else
+        return BackwardPlan(keep=plan.keep)
+    placement = plan.placement
+    kept_capacity_R = planner.controller.kept_capacity(placement) if planner.controller is not None else None
+    quota_E = quotas(planner, plan.counts_SE.sum(0), placement, kept_capacity_R)
+    keep = plan.keep
+    if spec.compacts:  # through the planner's method, which tests replace to force a mode
+        keep = planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, quota_E)
+    strata = kept_assignment = None
+    if planner.backward.local:
+        strata = plan_strata(plan.assignment, placement, plan.counts_SE, quota_E, planner.rank)
+        if spec.compacts and keep == KEEP_NOTHING:
+            kept_assignment = assign_pairs(plan.rule, strata.kept_SE, placement, kept_capacity_R, plan.node_of)
+    return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment)
+
+
+def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None
+           ) -> torch.Tensor:
+    """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone."""
+    quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio)
+    if planner.controller is not None:
+        quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R))
+    return quota_E
+
+
+__all__ = ["BackwardPlan", "plan_backward", "quotas"]
