@@ -98,10 +98,12 @@ def to_kept_experts(dy_ND: torch.Tensor, pos_N: torch.Tensor, layout: RowLayout,
     """:func:`to_experts` of the kept rows' dy under a :func:`~lrmoe.parallel.rows.kept_layout`,
     each row's stratum position riding as extra columns. Returns dy as delivered and each kept
     row's slot-major index among the forward's received rows, slot-major (None: every row kept)."""
-    D = dy_ND.shape[1]
-    recv_RX = channel.all_to_all(_with_columns(dy_ND, pos_N.to(position_dtype(dy_ND))), layout.send_splits,
-                                 layout.recv_splits)
-    recv_RD, pos_R = _split_columns(recv_RX, D, position_dtype(dy_ND))
+    if comm.world_size(channel.group) == 1:  # nothing crosses: no message to pack the positions into
+        recv_RD, pos_R = dy_ND, pos_N
+    else:
+        recv_RX = channel.all_to_all(_with_columns(dy_ND, pos_N.to(position_dtype(dy_ND))), layout.send_splits,
+                                     layout.recv_splits)
+        recv_RD, pos_R = _split_columns(recv_RX, dy_ND.shape[1], position_dtype(dy_ND))
     channel.delivered(recv_RD)
     device = recv_RD.device
     regroup = None if layout.regroup_idx is None else comm.to_device(layout.regroup_idx, device)

@@ -58,9 +58,9 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, dd
     """dx rows home and summed per token; slot weight gradients reduced to the weights' owners
     (collectives). Returns (dx_TD, gradients of the owned gate_up and down)."""
     layer, plan, meter = call.layer, call.plan, call.meter
-    dx_home_ND = call.path.home(call, dx_RD, rows, channel)
+    dx_home_ND, pairs_N = call.path.home(call, dx_RD, rows, channel)
     dx_TD = torch.zeros_like(x_TD)
-    dx_TD.index_add_(0, rows.layout.pair_idx // call.ids_TK.shape[1], dx_home_ND)
+    dx_TD.index_add_(0, pairs_N // call.ids_TK.shape[1], dx_home_ND)
     if layer.spec.placement is PlacementKind.SHARDED:  # slot gradients summed into the slices' owners
         meter.hold(dgate_up, ddown)  # the send buffer
         dgate_up, ddown = sharding.reduce_grads(dgate_up, ddown, plan.placement, layer.rank, channel.group,

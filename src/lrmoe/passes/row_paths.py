@@ -19,6 +19,7 @@ import torch
 
 from lrmoe import experts
 from lrmoe.memory.bytes import KEEP_NOTHING, in_place
+from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.dispatch import Delivered, to_experts, to_home, to_kept_experts
 from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
@@ -103,11 +104,17 @@ class ForwardRows:
         """(dx rows, slot weight gradients): the grouped expert backward over the received rows."""
         return expert_rows_backward(call, dy_RD, rows_RD, rows, gate_up, down)
 
-    def home(self, call: CallRecord, dx_RD: torch.Tensor, rows: BackwardRows, channel: Channel) -> torch.Tensor:
-        """dx rows back to their home ranks, in the layout's send order (collective)."""
-        in_place = call.saved.in_place
-        return to_home(dx_RD, rows.layout, channel, slot_major=rows.dy_slot_major,
-                       order_R=None if in_place is None else in_place.order_R)
+    def home(self, call: CallRecord, dx_RD: torch.Tensor, rows: BackwardRows, channel: Channel
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dx rows back to their home ranks (collective), with the pair each row belongs to: in
+        the layout's send order, or — where nothing is exchanged (world 1) and the rows were
+        compacted in place — in their compacted order, the pairs read through it instead of the
+        rows put back."""
+        order_R = None if call.saved.in_place is None else call.saved.in_place.order_R
+        if order_R is not None and comm.world_size(channel.group) == 1:  # slot-major order is the send order
+            return dx_RD, rows.layout.pair_idx[order_R.to(rows.layout.pair_idx.device)]
+        dx_ND = to_home(dx_RD, rows.layout, channel, slot_major=rows.dy_slot_major, order_R=order_R)
+        return dx_ND, rows.layout.pair_idx
 
 
 class RoundRows(ForwardRows):
@@ -124,7 +131,7 @@ class RoundRows(ForwardRows):
         return backward_in_rounds(call, dy_ND, x_ND, w_gu, w_down, channel)
 
     def home(self, call, dx_ND, rows, channel):
-        return dx_ND  # home already, in send order
+        return dx_ND, rows.layout.pair_idx  # home already, in send order
 
 
 class MaskedRows(ForwardRows):

@@ -11,8 +11,9 @@ import torch
 
 from lrmoe.parallel.comm import Channel
 from lrmoe.passes.record import CallRecord
+from lrmoe.selection.arrays import scatter_pairs
 from lrmoe.selection.global_selection import select
-from lrmoe.selection.scores import lrm_scores, squared_norms
+from lrmoe.selection.scores import lrm_scores, pair_scores, squared_norms
 from lrmoe.selection.strata import Strata, select_in_strata, strata_on
 
 
@@ -79,12 +80,11 @@ class StrataSelector(Selector):
             sampled = layer.backward.selection == "local-sampled"  # its weights 1/π, here all 1
             scale_P = torch.ones(call.ids_TK.numel(), dtype=torch.float64, device=g_TD.device) if sampled else None
             return Kept(None, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite=False)
-        scores_P = _scores(call, g_TD, weights_TK, h_sq_P)
-        strata = strata_on(plan.strata, scores_P.device)
-        send_N = call.rows.pair_idx  # every pair: a selective forward drops none
-        keep_N, scale_N, nonfinite = select_in_strata(scores_P[send_N], strata.group_N, strata.share_G, layer.backward,
-                                                      own)
-        keep_P = torch.zeros_like(scores_P, dtype=torch.bool).index_put_((send_N,), keep_N)
-        scale_P = None if scale_N is None else torch.zeros_like(scores_P).index_put_((send_N,), scale_N)
+        send_N = call.rows.pair_idx  # every pair, in the forward's send order: a selective forward drops none
+        scores_N = pair_scores(weights_TK.reshape(-1), squared_norms(g_TD), h_sq_P, send_N)
+        strata = strata_on(plan.strata, scores_N.device)
+        keep_N, scale_N, nonfinite = select_in_strata(scores_N, strata.group_N, strata.share_G, layer.backward, own)
+        keep_P = scatter_pairs(keep_N, send_N, call.ids_TK.numel())
+        scale_P = None if scale_N is None else scatter_pairs(scale_N, send_N, call.ids_TK.numel())
         kept_SE = strata.counts.kept_SE
         return Kept(keep_P, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite, strata, keep_N)

@@ -78,3 +78,11 @@ def order_by_group_then_key(groups: Array, key: Array) -> Array:
         return by_key[np.argsort(narrow, kind="stable")]
     by_key = torch.argsort(key, descending=True, stable=True)
     return by_key[torch.argsort(groups[by_key], stable=True)]
+
+
+def scatter_pairs(values_N: torch.Tensor, pairs_N: torch.Tensor, P: int) -> torch.Tensor:
+    """A tensor over all ``P`` pairs holding ``values_N`` at ``pairs_N``, zero (False) elsewhere."""
+    v, pairs = on_host(values_N), on_host(pairs_N)
+    out = zeros(P, v, v.dtype)
+    out[pairs] = v
+    return as_tensor(out)

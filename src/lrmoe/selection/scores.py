@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from lrmoe.selection.arrays import as_tensor, float64, on_host
+
 
 def squared_norms(x_RD: torch.Tensor) -> torch.Tensor:
     """‖x_r‖² per row in float64, finite for finite inputs. On the CPU one fp32 pass, with the
@@ -40,3 +42,14 @@ def scaled_squared_norms(x_RD: torch.Tensor) -> torch.Tensor:
 def lrm_scores(weights_P: torch.Tensor, g_sq_P: torch.Tensor, h_sq_P: torch.Tensor) -> torch.Tensor:
     """w² · ‖g‖² · ‖h‖² per pair, float64."""
     return weights_P.detach().to(torch.float64).square() * g_sq_P * h_sq_P
+
+
+def pair_scores(weights_P: torch.Tensor, g_sq_T: torch.Tensor, h_sq_P: torch.Tensor, pairs_N: torch.Tensor
+                ) -> torch.Tensor:
+    """:func:`lrm_scores` of the pairs ``pairs_N`` (flattened t·K + k ids), in that order, from
+    ‖g‖² per token: computed for those pairs only, with NumPy on the host
+    (:mod:`lrmoe.selection.arrays`)."""
+    K = weights_P.numel() // max(g_sq_T.numel(), 1)
+    w_P, g_sq, h_sq, pairs = (on_host(t.detach()) for t in (weights_P, g_sq_T, h_sq_P, pairs_N))
+    w_N = float64(w_P[pairs])
+    return as_tensor(w_N * w_N * g_sq[pairs // K] * h_sq[pairs])

@@ -164,15 +164,19 @@ def _select_arrays(scores_N: Array, group_N: Array, share_G: Array, u_G: Array |
     """:func:`select_in_strata` on arrays of one library (NumPy on the host, torch on a device)."""
     G, w = len(share_G), xp(scores_N)
     finite = w.isfinite(scores_N)
-    bad = int64(~finite)
-    nf_G = segment_sum(bad, group_N, G)
-    nf_rank, _ = segment_cumsum(bad, group_N, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite pairs
-    keep_nf = ~finite & (nf_rank <= share_G[group_N])
-    rest_G = w.concatenate([(share_G - nf_G).clip(min=0), 0 * share_G[:1]])  # stratum G: the non-finite pairs
-    rest_group = w.where(finite, group_N, G)
-    key_N = w.where(finite, scores_N, 0.0)
+    if isinstance(finite, np.ndarray) and finite.all():  # the host sees at no cost that nothing is broken
+        keep_nf, nonfinite = zeros(len(finite), finite, "bool"), np.False_
+        rest_group, rest_G, key_N = group_N, w.concatenate([share_G, 0 * share_G[:1]]), scores_N
+    else:  # non-finite pairs first in their stratum, the rest drawn in stratum G
+        bad = int64(~finite)
+        nf_G = segment_sum(bad, group_N, G)
+        nf_rank, _ = segment_cumsum(bad, group_N, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite
+        keep_nf, nonfinite = ~finite & (nf_rank <= share_G[group_N]), (nf_G > share_G).any()
+        rest_G = w.concatenate([(share_G - nf_G).clip(min=0), 0 * share_G[:1]])  # stratum G: the non-finite pairs
+        rest_group = w.where(finite, group_N, G)
+        key_N = w.where(finite, scores_N, 0.0)
     if u_G is not None:  # local-sampled
-        keep_f, pi_N = sample_arrays(key_N ** cfg.score_power, rest_group, rest_G, u_G, cfg.p_min)
+        keep_f, pi_N = sample_arrays(_power(key_N, cfg.score_power), rest_group, rest_G, u_G, cfg.p_min)
         scale = w.where(keep_f, 1.0 / pi_N.clip(min=1e-300), float64(keep_nf))
     else:  # local: each stratum's top share by score, ties by pair order
         order = order_by_group_then_key(rest_group, key_N)
@@ -180,4 +184,11 @@ def _select_arrays(scores_N: Array, group_N: Array, share_G: Array, u_G: Array |
         keep_f = zeros(len(finite), finite, "bool")
         keep_f[order] = pos < rest_G[rest_group[order]]
         scale = None
-    return keep_f | keep_nf, scale, (nf_G > share_G).any()
+    return keep_f | keep_nf, scale, nonfinite
+
+
+def _power(key: Array, power: float) -> Array:
+    """key ** power, the default square root (and 1) without the general power's cost."""
+    if power == 0.5:
+        return xp(key).sqrt(key)
+    return key if power == 1 else key**power
