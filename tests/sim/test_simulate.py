@@ -264,10 +264,11 @@ def test_first_replica_search_is_one_time_planning():
     spec, W = cfg.spec, cfg.gpus
     planner = SystemPlanner("lrmoe", spec.moe_config(), W, memory_bytes=40 * 2**30, selection="local-sampled")
     first = planner.call(counts[0, 0], 2)
-    assert first.once_host_s > 0 and first.planner_calls["max_min_quotas"] == 1, first.planner_calls
+    assert first.once_host_s > 0 and "plan_replicas" not in first.planner_calls, first.planner_calls
     later = [planner.call(counts[t % counts.shape[0], 0], 2) for t in range(1, 11)]
     assert all(c.once_host_s == 0 for c in later)
-    assert later[8].planner_calls["max_min_quotas"] > 1, "the 10th step's walk counts in its call"
+    assert later[7].planner_calls["assign_min_peak"] == 1
+    assert later[8].planner_calls["assign_min_peak"] == 2, "the 10th step's walk (one plan scored) counts in its call"
 
 
 def test_selection_exchange_bytes():

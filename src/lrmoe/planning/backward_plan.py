@@ -51,7 +51,7 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
         return BackwardPlan(keep=plan.keep)
     placement = plan.placement
     kept_capacity_R = planner.controller.kept_capacity(placement) if planner.controller is not None else None
-    quota_E = quotas(planner, plan.counts_SE.sum(0), placement, kept_capacity_R)
+    quota_E = quotas(planner, plan.counts_SE.sum(0), placement, kept_capacity_R, plan.assignment)
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
         keep = planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, quota_E)
@@ -63,12 +63,13 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment)
 
 
-def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None
-           ) -> torch.Tensor:
-    """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone."""
+def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None,
+           rows: PairAssignment | None = None) -> torch.Tensor:
+    """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone
+    (``rows``: the forward's assignment, which spares the solve where it keeps every pair)."""
     quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio)
     if planner.controller is not None:
-        quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R))
+        quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
     return quota_E
 
 

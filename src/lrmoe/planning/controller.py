@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from lrmoe.config import ClusterBudget, MoEConfig
@@ -133,12 +134,17 @@ class Controller:
             caps.append(int(cap))
         return caps
 
-    def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None = None
-               ) -> torch.Tensor:
+    def quotas(self, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None = None,
+               rows: PairAssignment | None = None) -> torch.Tensor:
         """Max–min fair quotas (int64, E) for the global per-expert counts of one call; raises
         :class:`MemoryBudgetExceeded` where the budget cannot keep one pair of every expert with
-        pairs (its rank: the one holding the most such experts beyond its kept capacity)."""
+        pairs (its rank: the one holding the most such experts beyond its kept capacity).
+        ``rows``: an assignment of every pair of ``counts_E`` to its expert's holders on
+        ``placement`` (the call's forward); where it fits every rank's capacity it is a flow
+        that keeps every pair, so the quotas are the counts and no flow is solved."""
         cap_R = self.kept_capacity(placement) if cap_R is None else cap_R
+        if rows is not None and keeps_every_pair(counts_E, rows, cap_R):
+            return counts_E.to(torch.long).clone()
         try:
             return max_min_quotas(counts_E, placement.holder_lists, cap_R)
         except ValueError as e:
@@ -150,4 +156,13 @@ class Controller:
                 f"{e}; a larger cap or fewer replica slots would help", "one kept pair per expert") from None
 
 
-__all__ = ["Controller", "REPLICA_MEMORY_SHARE", "max_min_quotas"]
+def keeps_every_pair(counts_E: torch.Tensor, rows: PairAssignment, cap_R: list[int]) -> bool:
+    """``rows`` computes exactly ``counts_E``'s pairs of each expert and no rank more than its
+    capacity: every pair can be kept (the max–min fair ratio is 1, nothing is left to fill)."""
+    per_expert = np.bincount(rows.expert_H, rows.rows_H, rows.num_experts).astype(np.int64)
+    if not np.array_equal(per_expert, counts_E.to(torch.long).numpy()):
+        return False
+    return all(n <= c for n, c in zip(rows.rows_R(), cap_R))
+
+
+__all__ = ["Controller", "REPLICA_MEMORY_SHARE", "keeps_every_pair", "max_min_quotas"]

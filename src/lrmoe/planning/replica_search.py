@@ -8,10 +8,16 @@ and gradient bytes at its link rate. Among the plans that keep at least 99 % of 
 pairs, the fastest wins (ties: fewer replicas). A replica costs memory (its slot, its gradient
 buffer and its gradient's send buffer) that would otherwise hold kept rows, so under a tight
 cap replicas are taken only where the imbalance they remove is worth more.
+
+Scoring a plan costs a min-peak assignment and a quota solve; most candidates need neither.
+Before scoring, a plan is bounded from the counts alone (:class:`_Trials`): where a plan already
+scored keeps at least as many pairs as it can and is faster than it can be, it cannot win, and
+it is not scored — the search's choice is the one scoring every candidate would give.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,68 +78,70 @@ class ReplicaCountSearch:
                in_call: bool = False) -> Placement:
         """The replica placement for the next calls, after ``steps`` optimizer steps, with at
         most ``slots_R`` expert slots a rank (the controller's share of memory). The first
-        search, and one inside a call, scores every candidate; later ones start at the last choice
-        and its neighbours and walk on while the best lies at the edge of those scored (three plans
-        under a steady load instead of 10–15)."""
+        search, and one inside a call, looks at every candidate; later ones start at the last
+        choice and its neighbours and walk on while the best lies at the edge of those looked at
+        (three plans under a steady load instead of 10–15, one of them scored)."""
         if last_SE is None:
             return self.base
         extra_R = [s - o for s, o in zip(slots_R, self.base.owned_counts)]
         if self.k is not None and steps % self.interval and not in_call:
             return self._placement(load_E, self.k, extra_R)
         candidates = replica_candidates(max(extra_R))
+        trials = _Trials(self, load_E, last_SE, extra_R)
         if self.k in candidates and not in_call:
-            scored = self._walk(load_E, last_SE, extra_R, candidates)
+            self._walk(trials, candidates)
         else:
-            scored = self._scan(load_E, last_SE, extra_R, candidates)
-        if not scored:
+            self._scan(trials, candidates)
+        best = trials.best()
+        if best is None:
             self.k = 0
             return self.base
-        best = self._best(scored)
         self.k = best.k
         return best.placement
 
-    def _score(self, load_E: torch.Tensor, counts_SE: torch.Tensor, extra_R: list[int], k: int) -> _Scored | None:
-        """Plan k scored, or None where its forward does not fit."""
-        placement = self._placement(load_E, k, extra_R)
+    def time(self, fwd_rows: int, bwd_rows: int, replicas: int) -> float:
+        """Predicted seconds of a plan: its slowest rank's forward and kept backward rows, and
+        its replicas' refresh and gradient bytes (non-decreasing in each argument)."""
+        row_s, byte_s = self.costs.row_s, self.costs.byte_s
+        return (fwd_rows + 2 * bwd_rows) * row_s / 3 + replicas * 2 * self.slot_param_bytes * byte_s
+
+    def score(self, placement: Placement, counts_SE: torch.Tensor, k: int) -> _Scored | None:
+        """Plan k scored, or None where its forward does not fit. Its forward assignment is the
+        quota solve's certificate where every rank's rows fit its kept capacity."""
         try:
             assignment, _ = self.controller.fit_forward(counts_SE, placement, self.assign(counts_SE, placement, None),
                                                         self.assign)
-            quota_E = self.controller.quotas(counts_SE.sum(0), placement)
+            quota_E = self.controller.quotas(counts_SE.sum(0), placement, rows=assignment)
         except MemoryBudgetExceeded:
             return None
         rows_ER = assignment.rows_ER()
         fwd, bwd = rows_ER.sum(0).max(), torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).max()
         replicas = placement.num_copies - self.base.num_experts
-        row_s, byte_s = self.costs.row_s, self.costs.byte_s
-        time = (int(fwd) + 2 * int(bwd)) * row_s / 3 + replicas * 2 * self.slot_param_bytes * byte_s
-        return _Scored(int(quota_E.sum()), time, replicas, placement, k)
+        return _Scored(int(quota_E.sum()), self.time(int(fwd), int(bwd), replicas), replicas, placement, k)
 
     @staticmethod
     def _best(scored: list[_Scored]) -> _Scored:
         most = max(s.kept for s in scored)
-        return min((s for s in scored if s.kept >= KEPT_SHARE * most), key=lambda s: (s.time, s.replicas))
+        # ties: fewer replicas, then fewer slots (the same choice in whatever order plans were scored)
+        return min((s for s in scored if s.kept >= KEPT_SHARE * most), key=lambda s: (s.time, s.replicas, s.k))
 
-    def _scan(self, load_E: torch.Tensor, counts_SE: torch.Tensor, extra_R: list[int], candidates: list[int]
-              ) -> list[_Scored]:
+    @staticmethod
+    def _scan(trials: _Trials, candidates: list[int]) -> None:
         """Every candidate: the first search, and a call whose forward did not fit."""
-        scored = []
         for k in candidates:
-            s = self._score(load_E, counts_SE, extra_R, k)
-            if s is not None:
-                scored.append(s)
-                if s.replicas == 0 and k:
-                    break  # no slot beyond the owned ones: larger k plans the same
-        return scored
+            trials.look(k)
+            if k and not trials.replicas[k]:
+                break  # no slot beyond the owned ones: larger k plans the same
 
-    def _walk(self, load_E: torch.Tensor, counts_SE: torch.Tensor, extra_R: list[int], candidates: list[int]
-              ) -> list[_Scored]:
-        """From the last choice, walk while the best plan lies at the edge of the ones scored (the
-        cost is one-humped in k: a steady load costs three plans, not every candidate)."""
+    def _walk(self, trials: _Trials, candidates: list[int]) -> None:
+        """From the last choice, walk while the best plan lies at the edge of the ones looked at
+        (the cost is one-humped in k: a steady load looks at three plans, not every candidate).
+        The last choice is looked at first, so that its neighbours are bounded against it."""
         at = candidates.index(self.k)
         lo, hi = max(at - 1, 0), min(at + 1, len(candidates) - 1)
-        tried = {k: self._score(load_E, counts_SE, extra_R, k) for k in candidates[lo:hi + 1]}
-        while any(tried.values()):
-            win = self._best([t for t in tried.values() if t])
+        for k in [candidates[at], *candidates[lo:at], *candidates[at + 1:hi + 1]]:
+            trials.look(k)
+        while (win := trials.best()) is not None:
             if win.k == candidates[lo] and lo > 0:
                 lo -= 1
                 k = candidates[lo]
@@ -142,5 +150,105 @@ class ReplicaCountSearch:
                 k = candidates[hi]
             else:
                 break
-            tried[k] = self._score(load_E, counts_SE, extra_R, k)
-        return [t for t in tried.values() if t]
+            trials.look(k)
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """What no assignment or quota solve on a plan can beat: its most kept pairs, its slowest
+    rank's fewest forward rows, and its replicas (exact)."""
+
+    kept: int
+    least: int  # fewest pairs its quotas keep: every pair where each rank can keep all of its experts'
+    fwd: int
+    replicas: int
+    placement: Placement
+    k: int
+
+
+class _Trials:
+    """The candidates of one search: each planned and bounded from the counts alone, and scored
+    (an assignment and a quota solve) only where the bound leaves it a chance against the best
+    plan scored so far. A plan left unscored cannot change the choice: the best scored plan is
+    faster than it can be, and keeps at least 99 % of the most pairs even if it kept all it can
+    (so that best stays eligible whatever it keeps, and beats it where it is). Every decision
+    of the search (:meth:`best`) checks that again for every plan left unscored, and scores any
+    for which it no longer holds: the choices are the ones scoring every plan looked at gives.
+    The bounds:
+
+    - kept pairs ≤ every pair, and ≤ Σ over ranks of min(kept capacity, pairs of the experts
+      the rank holds);
+    - forward rows of the slowest rank ≥ the balanced share, and ≥ the pairs of the experts a
+      rank holds alone (with owned experts only: exactly the owners' rows);
+    - kept pairs ≥ every pair where each rank can keep all of its experts' pairs;
+    - kept backward rows of the slowest rank ≥ the balanced share of its kept pairs, and of the
+      pairs a plan must keep to compete (99 % of the most any plan scored keeps)."""
+
+    def __init__(self, search: ReplicaCountSearch, load_E: torch.Tensor, counts_SE: torch.Tensor,
+                 extra_R: list[int]) -> None:
+        self.search, self.load_E, self.counts_SE, self.extra_R = search, load_E, counts_SE, extra_R
+        self.counts_E = counts_SE.sum(0).tolist()
+        self.pairs = sum(self.counts_E)
+        self.scored: dict[int, _Scored] = {}  # k -> its plan scored (those whose forward fits)
+        self.unscored: dict[int, _Bound] = {}  # k -> the bounds of a plan not scored
+        self.replicas: dict[int, int] = {}  # k -> replicas of its plan, every candidate looked at
+
+    def look(self, k: int) -> None:
+        """Plan k extra slots a rank; score the plan unless its bounds rule it out."""
+        if k in self.replicas:
+            return
+        placement = self.search._placement(self.load_E, k, self.extra_R)
+        kept, least = self._kept_bounds(placement)
+        bound = _Bound(kept, least, self._forward_bound(placement), placement.num_copies - self.search.base.num_experts,
+                       placement, k)
+        self.replicas[k] = bound.replicas
+        if self.scored and self._beaten(bound, self._best()):
+            self.unscored[k] = bound
+        else:
+            self._score(bound)
+
+    def best(self) -> _Scored | None:
+        """The best plan scored (None: none fits), once every plan left unscored is beaten by it."""
+        while self.scored:
+            best = self._best()
+            doubtful = [b for b in self.unscored.values() if not self._beaten(b, best)]
+            if not doubtful:
+                return best
+            for bound in doubtful:
+                del self.unscored[bound.k]
+                self._score(bound)
+        return None
+
+    def _best(self) -> _Scored:
+        return self.search._best(list(self.scored.values()))
+
+    def _score(self, bound: _Bound) -> None:
+        scored = self.search.score(bound.placement, self.counts_SE, bound.k)
+        if scored is not None:
+            self.scored[bound.k] = scored
+
+    def _beaten(self, bound: _Bound, best: _Scored) -> bool:
+        """``best`` stays eligible whatever the plan keeps, and is faster than it can be (ties:
+        fewer replicas)."""
+        most = max(s.kept for s in self.scored.values())
+        if best.kept < KEPT_SHARE * max(most, bound.kept):
+            return False
+        bwd = -(-max(bound.least, math.ceil(KEPT_SHARE * most)) // bound.placement.world)
+        return (best.time, best.replicas) < (self.search.time(bound.fwd, bwd, bound.replicas), bound.replicas)
+
+    def _kept_bounds(self, placement: Placement) -> tuple[int, int]:
+        """Most and fewest pairs the quotas on ``placement`` keep: each rank keeps at most its
+        kept capacity and the pairs of the experts it holds; where every rank can keep all of
+        them, the quotas keep every pair."""
+        cap_R = self.search.controller.kept_capacity(placement)
+        held_R = [sum(self.counts_E[e] for e in experts) for experts in placement.slots]
+        most = min(self.pairs, sum(min(c, h) for c, h in zip(cap_R, held_R)))
+        return most, self.pairs if all(h <= c for c, h in zip(cap_R, held_R)) else 0
+
+    def _forward_bound(self, placement: Placement) -> int:
+        """Fewest forward rows the slowest rank of any assignment on ``placement`` computes."""
+        alone = [0] * placement.world
+        for e, holders in enumerate(placement.holder_lists):
+            if len(holders) == 1:
+                alone[holders[0]] += self.counts_E[e]
+        return max(-(-self.pairs // placement.world), *alone)
