@@ -213,14 +213,14 @@ def gate_up_forward(
 
 
 def expert_forward(
-    x_RD: torch.Tensor, gate_up_L2FD: Slots, down_LDF: Slots, counts_L: torch.Tensor
+    x_RD: torch.Tensor, gate_up_L2FD: Slots, down_LDF: Slots, counts_L: torch.Tensor, y_out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Returns y_RD and the activations a backward may reuse: gate, up, silu(gate), h. The
-    weights may be several sets (:func:`grouped_mm`)."""
+    """Returns y_RD (written into ``y_out`` if given) and the activations a backward may reuse:
+    gate, up, silu(gate), h. The weights may be several sets (:func:`grouped_mm`)."""
     gate_RF, up_RF = gate_up_forward(x_RD, gate_up_L2FD, counts_L)
     silu_RF = F.silu(gate_RF)
     h_RF = silu_RF * up_RF
-    y_RD = grouped_mm(h_RF, _transposed(down_LDF), counts_L)
+    y_RD = grouped_mm(h_RF, _transposed(down_LDF), counts_L, out=y_out)
     return y_RD, {"gate": gate_RF, "up": up_RF, "silu": silu_RF, "h": h_RF}
 
 

@@ -119,8 +119,9 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
     regroup = work.world > 1 and work.copies > 1
     acts_rows = Rf
     chunked_bwd = work.bwd_chunk_rows is not None and work.bwd_chunk_rows < Rb
-    compact_in_place = spec.compacts and kept.acts and in_place(Rf, Rb)  # dy then reordered (a second buffer)
-    replay.receive(Rb, row, (regroup or compact_in_place) and not chunked_bwd)  # dy (chunked: read unregrouped)
+    compact_in_place = spec.compacts and kept.acts and in_place(Rf, Rb)
+    reorder = regroup or (compact_in_place and work.world > 1)  # dy through a second buffer (world 1: packed so)
+    replay.receive(Rb, row, reorder and not chunked_bwd)  # dy (a chunked backward reads it unregrouped)
     if spec.compacts and not kept.rows:
         replay.receive(Rb, row, regroup)  # x of the kept pairs, re-sent by their home ranks
     if spec.compacts and kept.rows and Rb < Rf and not compact_in_place:

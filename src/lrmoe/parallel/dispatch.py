@@ -45,25 +45,52 @@ def to_home(rows_RX: torch.Tensor, layout: RowLayout, channel: Channel, slot_maj
     return channel.all_to_all(rows_RX, layout.recv_splits, layout.send_splits)
 
 
-def _with_columns(rows_NX: torch.Tensor, extra_N: torch.Tensor) -> torch.Tensor:
-    """``rows_NX`` with each row's ``extra_N`` value appended as extra columns of the rows'
-    dtype (its bytes reinterpreted, nothing rounded): one message instead of two."""
-    cols = extra_N.element_size() // rows_NX.element_size()
-    return torch.cat([rows_NX, extra_N.to(rows_NX.device).view(rows_NX.dtype).view(-1, cols)], 1)
+@dataclass(frozen=True)
+class Message:
+    """Rows and one extra value per row side by side in one buffer — the value's bytes as extra
+    columns of the rows' dtype, nothing rounded — so that one exchange carries both. Written in
+    place (:meth:`empty`, then fill :attr:`rows` and :attr:`extra`), nothing is copied to send it."""
+
+    buffer_NX: torch.Tensor
+    width: int  # the rows' columns
+    extra_dtype: torch.dtype
+
+    @staticmethod
+    def empty(n: int, width: int, like: torch.Tensor, extra_dtype: torch.dtype) -> Message | None:
+        """An unfilled message of ``n`` rows; None where a row's bytes would misalign the value."""
+        size, extra = like.element_size(), torch.empty(0, dtype=extra_dtype).element_size()
+        if (width * size) % extra:
+            return None
+        return Message(like.new_empty(n, width + extra // size), width, extra_dtype)
+
+    @staticmethod
+    def of(rows_NX: torch.Tensor, extra_N: torch.Tensor) -> Message:
+        """A message holding copies of ``rows_NX`` and ``extra_N``."""
+        cols = extra_N.element_size() // rows_NX.element_size()
+        buffer = torch.cat([rows_NX, extra_N.to(rows_NX.device).view(rows_NX.dtype).view(-1, cols)], 1)
+        return Message(buffer, rows_NX.shape[1], extra_N.dtype)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.buffer_NX[:, : self.width]
+
+    @property
+    def extra(self) -> torch.Tensor:
+        """The values (a strided view: write into it; read it through :meth:`split`)."""
+        return self.buffer_NX[:, self.width :].view(self.extra_dtype).view(-1)
+
+    @staticmethod
+    def split(buffer_NX: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A received message's (rows, values): the rows a view, the values contiguous."""
+        return buffer_NX[:, :width], buffer_NX[:, width:].contiguous().view(dtype).view(-1)
 
 
-def _split_columns(rows_NY: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`_with_columns`: (the first ``width`` columns, the extra values)."""
-    return rows_NY[:, :width], rows_NY[:, width:].contiguous().view(dtype).view(-1)
-
-
-def to_home_with_norms(y_RD: torch.Tensor, h_sq_R: torch.Tensor, layout: RowLayout, channel: Channel
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def to_home_with_norms(message: Message, layout: RowLayout, channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`to_home` of expert outputs together with each row's float64 ‖h‖² (the LRM score's
-    expert-side factor) as extra columns: a selective forward makes one return exchange, not
-    two. Returns (y rows, ‖h‖² per row) in home order."""
-    back_NX = to_home(_with_columns(y_RD, h_sq_R), layout, channel)
-    return _split_columns(back_NX, y_RD.shape[1], torch.float64)
+    expert-side factor) in one :class:`Message`: a selective forward makes one return exchange,
+    not two. Returns (y rows, ‖h‖² per row) in home order."""
+    back_NX = to_home(message.buffer_NX, layout, channel)
+    return Message.split(back_NX, message.width, message.extra_dtype)
 
 
 def position_dtype(rows: torch.Tensor) -> torch.dtype:
@@ -98,23 +125,27 @@ def to_kept_experts(dy_ND: torch.Tensor, pos_N: torch.Tensor, layout: RowLayout,
     """:func:`to_experts` of the kept rows' dy under a :func:`~lrmoe.parallel.rows.kept_layout`,
     each row's stratum position riding as extra columns. Returns dy as delivered and each kept
     row's slot-major index among the forward's received rows, slot-major (None: every row kept)."""
-    if comm.world_size(channel.group) == 1:  # nothing crosses: no message to pack the positions into
-        recv_RD, pos_R = dy_ND, pos_N
-    else:
-        recv_RX = channel.all_to_all(_with_columns(dy_ND, pos_N.to(position_dtype(dy_ND))), layout.send_splits,
-                                     layout.recv_splits)
-        recv_RD, pos_R = _split_columns(recv_RX, dy_ND.shape[1], position_dtype(dy_ND))
+    sent = Message.of(dy_ND, pos_N.to(position_dtype(dy_ND)))
+    recv_RX = channel.all_to_all(sent.buffer_NX, layout.send_splits, layout.recv_splits)
+    recv_RD, pos_R = Message.split(recv_RX, sent.width, sent.extra_dtype)
     channel.delivered(recv_RD)
-    device = recv_RD.device
-    regroup = None if layout.regroup_idx is None else comm.to_device(layout.regroup_idx, device)
-    delivered = Delivered(recv_RD, regroup)
+    regroup = None if layout.regroup_idx is None else comm.to_device(layout.regroup_idx, recv_RD.device)
+    return Delivered(recv_RD, regroup), kept_forward_rows(pos_R, layout, fwd, regroup)
+
+
+def kept_forward_rows(pos_R: torch.Tensor, layout: RowLayout, fwd: RowLayout, regroup_R: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
+    """Each kept row's slot-major index among the forward's received rows, from its position in
+    its (source, slot) block (``pos_R`` in received order; ``regroup_R``: received → slot-major,
+    None where they agree). None where every forward row is kept."""
     if layout.recv_rows == fwd.recv_rows:  # (kept ≤ forward rows in every block)
-        return delivered, None
+        return None
     # forward rows are slot-major: block (slot l, source s) starts at the rows of earlier blocks
     S, L = fwd.counts_SL.shape
     flat_LS = fwd.counts_SL.t().reshape(-1)
     start_SL = (flat_LS.cumsum(0) - flat_LS).view(L, S).t().reshape(-1)
+    device = pos_R.device
     fwd_row_R = torch.repeat_interleave(comm.to_device(start_SL, device),
                                         comm.to_device(layout.counts_SL.reshape(-1), device),
                                         output_size=len(pos_R)) + pos_R.long()
-    return delivered, fwd_row_R if regroup is None else fwd_row_R[regroup]
+    return fwd_row_R if regroup_R is None else fwd_row_R[regroup_R]

@@ -18,7 +18,7 @@ from lrmoe import experts
 from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel
 from lrmoe.passes.record import CallRecord
-from lrmoe.passes.row_paths import BackwardRows
+from lrmoe.passes.row_paths import BackwardRows, DyRows
 from lrmoe.passes.selectors import Kept
 from lrmoe.systems import PlacementKind
 
@@ -40,11 +40,8 @@ def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, we
     rows = call.path.rows(call, kept, channel)
     factor_P = call.path.factor(weights_TK.reshape(-1), kept)
     select_ms = (time.perf_counter() - t_select) * 1e3
-    # dy of the rows to send (every system packs its rows: not the selection's cost)
-    dy_ND = torch.index_select(g_TD, 0, rows.layout.pair_idx // K).mul_(factor_P[rows.layout.pair_idx].unsqueeze(1))
 
-    dy_RD, rows_RD = call.path.dispatch(call, dy_ND, x_TD, rows, channel)
-    del dy_ND
+    dy_RD, rows_RD = call.path.dispatch(call, DyRows(g_TD, factor_P, K), x_TD, rows, channel)
     dx_RD, dgate_up, ddown = call.path.compute(call, dy_RD, rows_RD, rows, gate_up, down, channel)
     del rows_RD, dy_RD
     dx_TD, dgate_up, ddown = give_back(call, dx_RD, dgate_up, ddown, x_TD, rows, gate_up.shape[0], channel)

@@ -21,7 +21,7 @@ from lrmoe.memory.bytes import kept_to_backward, nbytes
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel, WireCounter
-from lrmoe.parallel.dispatch import to_experts, to_home, to_home_with_norms
+from lrmoe.parallel.dispatch import Message, to_experts, to_home, to_home_with_norms
 from lrmoe.parallel.rows import row_layout
 from lrmoe.passes import row_paths
 from lrmoe.passes.record import CallRecord
@@ -63,9 +63,9 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
         save(call, None, None, weights, gate_up)
     else:
         rows_RD = dispatch(call, x_TD, channel)
-        y_RD, h_sq_R, acts = compute(call, rows_RD, weights)
-        out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, h_sq_R, channel)
-        del y_RD
+        y_RD, norms, acts = compute(call, rows_RD, weights)
+        out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, norms, channel)
+        del norms, y_RD
         plan_backward(call)  # the device still exchanges and computes what was just issued
         save(call, rows_RD, acts, weights, gate_up)
         del acts, rows_RD
@@ -139,49 +139,49 @@ def dispatch(call: CallRecord, x_TD: torch.Tensor, channel: Channel) -> torch.Te
 
 
 def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
-            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor] | None]:
+            ) -> tuple[torch.Tensor, Message | None, dict[str, torch.Tensor] | None]:
     """The grouped SwiGLU experts over every received row, all at once or, where the plan chunks
     this rank's forward, ``chunk`` rows at a time (activations dropped after each chunk: a
-    budgeted expert side never holds more than a chunk). Returns (y, ‖h‖² per row for a
-    selective backward, the activations or None when chunked)."""
+    budgeted expert side never holds more than a chunk). Returns (y, for a selective backward
+    the return message holding y and ‖h‖² per row side by side, the activations or None when
+    chunked)."""
     rows, meter = call.rows, call.meter
     chunk = rows.recv_rows if call.plan.chunk_rows_R is None else call.plan.chunk_rows_R[call.layer.rank]
-    want_h_sq = call.layer.spec.selective
-    if chunk < rows.recv_rows:
-        y_RD, h_sq_R = _chunked(rows_RD, weights, rows.slot_counts, chunk, want_h_sq)
+    R, D = rows_RD.shape
+    selective = call.layer.spec.selective
+    norms = Message.empty(R, D, rows_RD, torch.float64) if selective else None  # y then written into it
+    h_sq_R = norms.extra if norms is not None else (
+        torch.empty(R, dtype=torch.float64, device=rows_RD.device) if selective else None)
+    if chunk < R:
+        y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
         meter.hold(y_RD, h_sq_R)
+        for a, b, part_L in experts.chunk_spans(rows.slot_counts, chunk):
+            _, acts = experts.expert_forward(rows_RD[a:b], weights.gate_up, weights.down, part_L, y_out=y_RD[a:b])
+            if selective:
+                h_sq_R[a:b] = squared_norms(acts["h"])
+        acts = None
         meter.reach(chunk * 4 * weights.ffn_dim * y_RD.element_size())
-        return y_RD, h_sq_R, None
-    y_RD, acts = experts.expert_forward(rows_RD, weights.gate_up, weights.down, rows.slot_counts)
-    meter.hold(y_RD, *acts.values())
-    h_sq_R = squared_norms(acts["h"]) if want_h_sq else None
-    meter.hold(h_sq_R)
-    return y_RD, h_sq_R, acts
-
-
-def _chunked(rows_RD: torch.Tensor, weights: SlotWeights, counts_L: torch.Tensor, chunk: int, want_h_sq: bool
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    R = rows_RD.shape[0]
-    y_RD = rows_RD.new_empty(R, rows_RD.shape[1])
-    h_sq = torch.empty(R, dtype=torch.float64, device=rows_RD.device) if want_h_sq else None
-    for a, b, part_L in experts.chunk_spans(counts_L, chunk):
-        y, acts = experts.expert_forward(rows_RD[a:b], weights.gate_up, weights.down, part_L)
-        y_RD[a:b] = y
-        if want_h_sq:
-            h_sq[a:b] = squared_norms(acts["h"])
-    return y_RD, h_sq
+    else:  # (y allocated by the GEMM where it has no message: on CUDA the fused kernel's own output)
+        y_RD, acts = experts.expert_forward(rows_RD, weights.gate_up, weights.down, rows.slot_counts,
+                                            y_out=None if norms is None else norms.rows)
+        meter.hold(y_RD, *acts.values(), h_sq_R)
+        if selective:
+            h_sq_R.copy_(squared_norms(acts["h"]))
+    if selective and norms is None:  # a row's bytes would misalign the value: y and ‖h‖² copied into one
+        norms = Message.of(y_RD, h_sq_R)
+    return y_RD, norms, acts
 
 
 def combine(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, y_RD: torch.Tensor,
-            h_sq_R: torch.Tensor | None, channel: Channel
+            norms: Message | None, channel: Channel
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Expert outputs home (with ‖h‖² for the LRM scores, one message) and the weighted sum per
     token. Pairs a plan does not carry (dropped by a capacity factor) contribute zero."""
     rows, meter = call.rows, call.meter
     h_sq_N = None
-    if h_sq_R is not None:
-        y_home_ND, h_sq_N = to_home_with_norms(y_RD, h_sq_R, rows, channel)
-        meter.drop(h_sq_R)
+    if norms is not None:
+        y_home_ND, h_sq_N = to_home_with_norms(norms, rows, channel)
+        meter.drop(norms.extra)
     else:
         y_home_ND = to_home(y_RD, rows, channel)
     meter.drop(y_RD)

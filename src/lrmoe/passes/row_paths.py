@@ -21,9 +21,9 @@ from lrmoe import experts
 from lrmoe.memory.bytes import KEEP_NOTHING, in_place
 from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Channel
-from lrmoe.parallel.dispatch import Delivered, to_experts, to_home, to_kept_experts
+from lrmoe.parallel.dispatch import Delivered, kept_forward_rows, to_experts, to_home, to_kept_experts
 from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
-from lrmoe.passes.compaction import compact_in_place, gather_kept
+from lrmoe.passes.compaction import compact_in_place, gather_kept_rows
 from lrmoe.passes.expert_rows import expert_rows_backward
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import backward_in_rounds
@@ -31,27 +31,44 @@ from lrmoe.passes.selectors import ForwardPairs, GlobalSelector, Kept, Selector,
 from lrmoe.systems import SystemSpec
 
 
-def _compact_kept(call: CallRecord, dy: Delivered, kept_rows: torch.Tensor | None, layout: RowLayout,
-                  channel: Channel) -> torch.Tensor:
-    """Keep-x backward: dy slot-major, and the saved rows of the kept pairs brought together per
-    slot (:mod:`lrmoe.passes.compaction`): in place where the plan says so (dy then taken in the
-    compacted rows' order), else gathered. ``kept_rows``: their slot-major indices among the
-    saved rows, in dy's slot-major order (None: every row kept, nothing to do)."""
-    saved, kept_recv_rows = call.saved, layout.recv_rows
+@dataclass(frozen=True)
+class DyRows:
+    """The upstream gradient of the pairs, packed on demand: dy = factor · g_t of any pairs, in
+    the order a row path sends them (every system packs its rows: not the selection's cost). A
+    path that knows its final order before the exchange packs straight into it."""
+
+    g_TD: torch.Tensor
+    factor_P: torch.Tensor  # the routing weight, times 1/π for sampled pairs (0: masked)
+    K: int
+
+    def of(self, pairs_N: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.g_TD, 0, pairs_N // self.K).mul_(self.factor_P[pairs_N].unsqueeze(1))
+
+
+def _compact_saved(call: CallRecord, kept_rows: torch.Tensor | None, layout: RowLayout) -> torch.Tensor | None:
+    """Keep-x backward: the saved rows of the kept pairs brought together per slot
+    (:mod:`lrmoe.passes.compaction`): in place where the plan says so, else gathered.
+    ``kept_rows``: their slot-major indices among the saved rows, in dy's slot-major order (None:
+    every row kept, nothing to do). Returns the order dy must then take (None: its own)."""
+    saved = call.saved
     if kept_rows is None:
-        return dy.slot_major(channel)
-    if saved.acts is not None and in_place(call.rows.recv_rows, kept_recv_rows):
+        return None
+    if saved.acts is not None and in_place(call.rows.recv_rows, layout.recv_rows):
         saved.in_place = compact_in_place([saved.rows_RD, *saved.acts.values()], kept_rows, call.rows.slot_counts,
                                           layout.slot_counts)
         call.stats.compaction = "in place"
-        return dy.slot_major(channel, saved.in_place.order_R.to(kept_rows.device))
-    tensors, had_acts = {"x": saved.rows_RD, **(saved.acts or {})}, saved.acts is not None
-    saved.rows_RD = saved.acts = None  # the dict holds the only references: each full tensor goes after its gather
-    gather_kept(tensors, kept_rows, call.meter)
+        return saved.in_place.order_R.to(kept_rows.device)
+    saved.rows_RD = gather_kept_rows(saved, kept_rows, call.meter)
     call.stats.compaction = "gathered"
-    saved.rows_RD = tensors.pop("x")
-    saved.acts = tensors if had_acts else None
-    return dy.slot_major(channel)
+    return None
+
+
+def _packed_in_order(dy: DyRows, layout: RowLayout, order_R: torch.Tensor | None, channel: Channel) -> torch.Tensor:
+    """World 1, nothing crosses: dy packed straight into the slot-major order the expert side
+    needs (``order_R``: in that order of it), the send order being slot-major already."""
+    dy_RD = dy.of(layout.pair_idx if order_R is None else layout.pair_idx[order_R])
+    channel.delivered(dy_RD)
+    return dy_RD
 
 
 @dataclass(frozen=True)
@@ -93,9 +110,10 @@ class ForwardRows:
         """Per-row factor of dy = factor · g_t: the routing weight, times 1/π for sampled pairs."""
         return factor_P if kept.scale_P is None else factor_P * kept.scale_P.to(factor_P.dtype)
 
-    def dispatch(self, call: CallRecord, dy_ND: torch.Tensor, x_TD: torch.Tensor, rows: BackwardRows,
+    def dispatch(self, call: CallRecord, dy: DyRows, x_TD: torch.Tensor, rows: BackwardRows,
                  channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
         """(dy, x) rows at the expert side: x slot-major, dy too unless the backward is chunked."""
+        dy_ND = dy.of(rows.layout.pair_idx)
         return to_experts(dy_ND, rows.layout, channel, regroup=rows.dy_slot_major), _take_saved(call)
 
     def compute(self, call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: BackwardRows,
@@ -121,9 +139,9 @@ class RoundRows(ForwardRows):
     """An exact call that kept nothing: x and dy go to the experts in the forward's rounds, and
     dx comes home round by round (:mod:`lrmoe.passes.rounds`)."""
 
-    def dispatch(self, call, dy_ND, x_TD, rows, channel):
+    def dispatch(self, call, dy, x_TD, rows, channel):
         """Nothing moves yet: (dy, x) in the forward layout's send order, home side."""
-        return dy_ND, x_TD[rows.layout.pair_idx // call.ids_TK.shape[1]]
+        return dy.of(rows.layout.pair_idx), x_TD[rows.layout.pair_idx // call.ids_TK.shape[1]]
 
     def compute(self, call, dy_ND, x_ND, rows, gate_up, down, channel):
         w_gu, w_down = call.saved.slot_weights or (gate_up, down)
@@ -150,9 +168,9 @@ class ResentRows(ForwardRows):
         return BackwardRows(row_layout(call.ids_TK.reshape(-1), plan.assign_kept(kept.kept_SE), plan.placement,
                                        call.layer.rank, keep_P=kept.keep_P))
 
-    def dispatch(self, call, dy_ND, x_TD, rows, channel):
+    def dispatch(self, call, dy, x_TD, rows, channel):
         x_ND = x_TD[rows.layout.pair_idx // call.ids_TK.shape[1]]
-        dy_RD = to_experts(dy_ND, rows.layout, channel)
+        dy_RD = to_experts(dy.of(rows.layout.pair_idx), rows.layout, channel)
         return dy_RD, to_experts(x_ND, rows.layout, channel)
 
 
@@ -165,11 +183,15 @@ class KeptInStrata(ForwardRows):
         layout, pos_N = kept_layout(call.rows, kept.strata, kept.keep_N)
         return BackwardRows(layout, kept_pos_N=pos_N)
 
-    def dispatch(self, call, dy_ND, x_TD, rows, channel):
+    def dispatch(self, call, dy, x_TD, rows, channel):
         if rows.kept_pos_N is None:
-            return super().dispatch(call, dy_ND, x_TD, rows, channel)
-        dy, kept_rows = to_kept_experts(dy_ND, rows.kept_pos_N, rows.layout, call.rows, channel)
-        return _compact_kept(call, dy, kept_rows, rows.layout, channel), _take_saved(call)
+            return super().dispatch(call, dy, x_TD, rows, channel)
+        if comm.world_size(channel.group) == 1:
+            order_R = _compact_saved(call, kept_forward_rows(rows.kept_pos_N, rows.layout, call.rows), rows.layout)
+            return _packed_in_order(dy, rows.layout, order_R, channel), _take_saved(call)
+        delivered, kept_rows = to_kept_experts(dy.of(rows.layout.pair_idx), rows.kept_pos_N, rows.layout, call.rows,
+                                               channel)
+        return delivered.slot_major(channel, _compact_saved(call, kept_rows, rows.layout)), _take_saved(call)
 
 
 class KeptByMask(ForwardRows):
@@ -180,11 +202,13 @@ class KeptByMask(ForwardRows):
         layout, kept_rows = restrict_to_kept(call.rows, kept.keep_P, channel)
         return BackwardRows(layout, kept_rows=kept_rows)
 
-    def dispatch(self, call, dy_ND, x_TD, rows, channel):
-        recv_RD = to_experts(dy_ND, rows.layout, channel, regroup=False)
+    def dispatch(self, call, dy, x_TD, rows, channel):
+        order_R = _compact_saved(call, rows.kept_rows, rows.layout)
+        if comm.world_size(channel.group) == 1:
+            return _packed_in_order(dy, rows.layout, order_R, channel), _take_saved(call)
+        recv_RD = to_experts(dy.of(rows.layout.pair_idx), rows.layout, channel, regroup=False)
         regroup = None if rows.layout.regroup_idx is None else rows.layout.regroup_idx.to(recv_RD.device)
-        dy = Delivered(recv_RD, regroup)
-        return _compact_kept(call, dy, rows.kept_rows, rows.layout, channel), _take_saved(call)
+        return Delivered(recv_RD, regroup).slot_major(channel, order_R), _take_saved(call)
 
 
 RowPath = ForwardRows  # every row path is one of its kinds
