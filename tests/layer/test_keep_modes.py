@@ -131,3 +131,23 @@ def test_keep_is_checked():
         MoELayer(cfg, system="static", backward=BackwardConfig(keep=KEEP_X))
     with pytest.raises(ValueError, match="memory cap"):
         MoELayer(cfg, system="lrmoe", backward=BackwardConfig(keep=KEEP_X), budget=ClusterBudget(memory_bytes=10**9))
+
+
+def test_in_place_and_gathered_rows_agree_in_bfloat16(monkeypatch):
+    """A bf16 expert side (NumPy has no bfloat16: its rows move through torch) compacting its
+    kept rows in place gives the gathered rows' gradients (summed in another row order)."""
+    cfg = MoEConfig(**{**QWEN, "dtype": "bfloat16"})
+    sd, x, g = make_problem(MoEConfig(**QWEN), 48, 5, "none")
+    sd = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    grads = {}
+    for way in ("in place", "gathered"):
+        if way == "gathered":
+            monkeypatch.setattr("lrmoe.passes.row_paths.in_place", lambda *args: False)
+        layer = MoELayer(cfg, system="lrmoe", backward=BackwardConfig(ratio=0.8, seed=3))
+        layer.load_full_state_dict(sd)
+        xi = x.to(torch.bfloat16).requires_grad_(True)
+        layer(xi).backward(g.to(torch.bfloat16))
+        assert layer.last_stats["compaction"] == way
+        grads[way] = [xi.grad.float(), *(p.grad.float() for p in layer.parameters())]
+    for a, b in zip(grads["in place"], grads["gathered"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -20,8 +20,11 @@ Array = np.ndarray | torch.Tensor
 
 
 def on_host(t: torch.Tensor) -> Array:
-    """A CPU tensor as a NumPy view (shared memory); a device tensor as it is."""
-    return t.numpy() if t.device.type == "cpu" else t
+    """A CPU tensor as a NumPy view (shared memory; bfloat16, which NumPy lacks, as a float32
+    copy); a device tensor as it is."""
+    if t.device.type != "cpu":
+        return t
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def as_tensor(a: Array) -> torch.Tensor:
