@@ -9,7 +9,8 @@ combine, once each way per pass):
                   knows system names)
     layer.py      MoELayer, the nn.Module facade
     router.py     softmax top-k (Qwen3) · sigmoid + correction bias (GLM-4.5)
-    experts.py    grouped SwiGLU experts and the one grouped-GEMM seam
+    experts.py    grouped SwiGLU experts, forward and backward written out
+    grouped_gemm.py  the one grouped-GEMM seam every expert product goes through
     errors.py     MemoryBudgetExceeded: a call or layer that cannot live within its memory cap
     planning/     LayerPlanner (planner.py) and one CallPlan per call: placement strategies (one
                   per planner a spec names), the assignment rule, min-peak balance, quotas, the
@@ -17,8 +18,10 @@ combine, once each way per pass):
     memory/       the byte model, what the expert side keeps, the meter and its replay on numbers
     parallel/     collectives and the Channel that counts bytes, row layouts, the exchanges that
                   move rows, replicas, sharded experts
-    selection/    LRM scores, global and local (strata) selections, sampling, random streams
-    passes/       the routed experts' forward and backward in stages, their call record, CallStats
+    selection/    LRM scores, global and local (strata) selections, sampling, random streams (one
+                  code for NumPy on the host and torch on a device)
+    passes/       the routed experts' forward and backward in stages, the kept rows' compaction,
+                  their call record, CallStats
     models/ train/ sim/ integrations/ cli.py   models, training and compare, the paper-scale
                   projection, transformers patching, the command line
 

@@ -1,4 +1,4 @@
-"""The grouped-GEMM seam (lrmoe.experts): its fused and looped paths against each other and a
+"""The grouped-GEMM seam (lrmoe.grouped_gemm): its fused and looped paths against each other and a
 plain per-expert reference, the fallback on misaligned shapes, and the whole expert backward
 (saved vs recomputed activations) on both paths against autograd."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import experts
+from lrmoe import experts, grouped_gemm
 
 
 def _force(monkeypatch, fused: bool) -> None:
-    monkeypatch.setattr(experts, "_use_grouped_mm", lambda a, b, wgrad, into: fused)
+    monkeypatch.setattr(grouped_gemm, "_use_grouped_mm", lambda a, b, wgrad, into: fused)
 
 
-@pytest.mark.skipif(experts._GROUPED_MM is None, reason="torch without _grouped_mm")
+@pytest.mark.skipif(grouped_gemm._GROUPED_MM is None, reason="torch without _grouped_mm")
 @pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 0, 16, 0], [3, 3, 3, 3]])
 def test_grouped_mm_paths_agree(monkeypatch, counts):
     torch.manual_seed(0)
@@ -44,8 +44,8 @@ def test_misaligned_shapes_fall_back(monkeypatch):
     torch.manual_seed(1)
     counts_L = torch.tensor([4, 0, 6])
     a, w = torch.randn(10, 30), torch.randn(3, 30, 30)
-    if experts._GROUPED_MM is not None:
-        assert not experts._use_grouped_mm(a, w.transpose(-2, -1), wgrad=False, into=False)
+    if grouped_gemm._GROUPED_MM is not None:
+        assert not grouped_gemm._use_grouped_mm(a, w.transpose(-2, -1), wgrad=False, into=False)
     auto = experts.grouped_mm(a, w.transpose(-2, -1), counts_L)
     _force(monkeypatch, False)
     torch.testing.assert_close(auto, experts.grouped_mm(a, w.transpose(-2, -1), counts_L))
@@ -60,7 +60,7 @@ def test_expert_backward_paths_agree(monkeypatch):
     gate_up, down = torch.randn(4, 2 * F, D) * 0.3, torch.randn(4, D, F) * 0.3
     dy = torch.randn(R, D)
     outs = []
-    for fused in ((True, False) if experts._GROUPED_MM is not None else (False,)):
+    for fused in ((True, False) if grouped_gemm._GROUPED_MM is not None else (False,)):
         _force(monkeypatch, fused)
         y, acts = experts.expert_forward(x, gate_up, down, counts_L)
         outs.append(experts.expert_backward(dy.clone(), x, gate_up, down, counts_L, acts))

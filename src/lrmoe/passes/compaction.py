@@ -10,7 +10,7 @@ per local slot, its kept rows in one block for the grouped GEMMs. Two ways:
   them. That moves at most min(K_l, R_l − K_l) rows a slot, about ρ(1 − ρ)·R in all: a tenth
   of the gather's rows at ρ = 0.9. The blocks keep their places, so each slot's rows start at
   its forward offset with a gap after them (the grouped GEMMs take per-slot starts,
-  :func:`lrmoe.experts.grouped_mm`), and the kept rows within a block are no longer in dy's
+  :func:`lrmoe.grouped_gemm.grouped_mm`), and the kept rows within a block are no longer in dy's
   order: dy is put in theirs (``order_R``) and dx back.
 
 The saved activations make the gather expensive (4F + D values a row against dy's D), so a
