@@ -79,6 +79,7 @@ def _rank_worker(rank: int, world: int, port: int, fn, args, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         queue.put((rank, fn(dist.group.WORLD, args)))
+        dist.barrier()  # every rank done with its collectives before any tears the group down
     finally:
         dist.destroy_process_group()
 

@@ -154,6 +154,10 @@ class BackwardConfig:
     capped by the ratio's. ``keep``: what a compacting backward's expert side keeps from the
     forward (``"x+acts"``, ``"x"``, ``"nothing"``), fixed instead of chosen per call by the
     controller (None), for ablations and benchmarks; not with a memory cap, which chooses it.
+    ``balance``: demand-side balance (docs/design.md "Controller"): each rank's backward keeps
+    at most (1 + balance) × the call's balanced mean of pairs a rank, the overload of hot
+    experts trimmed max–min fair, never below ``min_ratio`` of an expert's pairs; None (the
+    default) trims for memory (and the ratio) alone.
     """
 
     selection: str = "local-sampled"
@@ -162,6 +166,8 @@ class BackwardConfig:
     p_min: float = 0.01
     score_power: float = 0.5
     keep: str | None = None
+    balance: float | None = None
+    min_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -175,6 +181,10 @@ class BackwardConfig:
             raise _bad("seed", self.seed, "expected an integer")
         if self.keep is not None and self.keep not in KEEP_MODES:
             raise _bad("keep", self.keep, f"expected None or one of {KEEP_MODES}")
+        if self.balance is not None and (isinstance(self.balance, bool) or not isinstance(self.balance, (int, float))
+                                         or not self.balance >= 0):
+            raise _bad("balance", self.balance, "expected None or a number >= 0 (the overload over the mean allowed)")
+        _fraction("min_ratio", self.min_ratio)
 
     @property
     def local(self) -> bool:

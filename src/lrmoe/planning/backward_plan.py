@@ -12,12 +12,15 @@ gave, bit for bit (tests/planning/test_backward_plan.py); nothing here changes p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from lrmoe.config import BackwardConfig
 from lrmoe.memory.bytes import KEEP_NOTHING
+from lrmoe.planning import controller as controller_module
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.placement import Placement
@@ -70,7 +73,26 @@ def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, 
     quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio)
     if planner.controller is not None:
         quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
+    if planner.backward.balance is not None:
+        quota_E = torch.minimum(quota_E, demand_balanced(counts_E, placement, planner.backward))
     return quota_E
 
 
-__all__ = ["BackwardPlan", "plan_backward", "quotas"]
+def demand_balanced(counts_E: torch.Tensor, placement: Placement, cfg: BackwardConfig) -> torch.Tensor:
+    """Demand-side balance: quotas with which no rank's backward keeps more than
+    (1 + ``cfg.balance``) × the call's balanced mean of pairs a rank — the overload of hot experts
+    trimmed max–min fair (the controller's quota solve, those capacities), never below
+    ``cfg.min_ratio`` of an expert's pairs. Kept pairs are taken to spread over their expert's
+    holders, as a re-spread backward does; one that computes them where the forward did keeps
+    the forward's split of each expert, close to it under min-peak forward assignments.
+    Where a rank holds more experts with pairs than the cap has rows, nothing is trimmed."""
+    world = len(placement.slots)
+    cap = math.ceil((1 + cfg.balance) * float(counts_E.sum()) / world)
+    try:  # (through the controller module, where the simulator counts the planner's calls)
+        balanced_E = controller_module.max_min_quotas(counts_E, placement.holder_lists, [cap] * world)
+    except ValueError:
+        return counts_E.to(torch.long).clone()
+    return torch.maximum(balanced_E, fixed_ratio_quota(counts_E, cfg.min_ratio))
+
+
+__all__ = ["BackwardPlan", "demand_balanced", "plan_backward", "quotas"]

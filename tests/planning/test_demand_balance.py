@@ -1,0 +1,90 @@
+"""Demand-side balance (``BackwardConfig.balance``): no rank's backward keeps more than
+(1 + balance) × the call's mean pairs a rank, the overload trimmed max–min fair, never below
+``min_ratio`` of an expert's pairs; a layer under it keeps that and its gradients are the
+reference's with its kept set."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lrmoe import BackwardConfig, MoEConfig, MoELayer
+from lrmoe.parallel import comm
+from lrmoe.planning.backward_plan import demand_balanced
+from lrmoe.planning.placement import Placement
+from tests.helpers.layer import QWEN, close, make_problem, split_tokens
+from tests.helpers.pool import RankPool
+from tests.oracles.dense_moe import reference_grads
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(world=2)
+    yield p
+    p.close()
+
+
+def _kept_per_rank(quota_E: torch.Tensor, placement: Placement) -> list[int]:
+    return [int(quota_E[list(placement.slots[r])].sum()) for r in range(len(placement.slots))]
+
+
+def test_the_overloaded_rank_is_trimmed_to_the_mean_max_min_fair():
+    placement = Placement.static(8, 2)  # experts 0-3 on rank 0, 4-7 on rank 1
+    counts = torch.tensor([400, 100, 50, 50, 100, 100, 100, 100])  # rank 0: 600, rank 1: 400, mean 500
+    quota = demand_balanced(counts, placement, BackwardConfig(balance=0.0))
+    assert _kept_per_rank(quota, placement) == [500, 400]
+    ratios = quota[:4].double() / counts[:4]
+    assert float(ratios.max() - ratios.min()) < 0.02, "every expert of the hot rank at one retention ratio"
+    assert torch.equal(quota[4:], counts[4:]), "a rank under the mean keeps every pair"
+
+
+def test_slack_and_the_floor():
+    placement = Placement.static(8, 2)
+    counts = torch.tensor([400, 100, 50, 50, 100, 100, 100, 100])
+    assert torch.equal(demand_balanced(counts, placement, BackwardConfig(balance=0.2)), counts), "600 <= 1.2 x 500"
+    floored = demand_balanced(counts, placement, BackwardConfig(balance=0.0, min_ratio=0.9))
+    assert bool((floored >= torch.ceil(0.9 * counts - 1e-6)).all())
+    assert _kept_per_rank(floored, placement)[0] > 500, "the floor outranks the balance"
+
+
+@pytest.mark.parametrize("field,value", [("balance", -0.1), ("balance", True), ("min_ratio", 0.0), ("min_ratio", 1.5)])
+def test_bad_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        BackwardConfig(**{field: value})
+
+
+def balanced_case(group):
+    """A skewed call at 2 ranks with balance 0: every rank's kept pairs within the mean (or its
+    experts' floors), the quotas the planner's, the gradients the reference's with the kept set."""
+    cfg = MoEConfig(**QWEN)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = make_problem(cfg, 96, 4, "hot_expert")
+    sizes = split_tokens(96, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(balance=0.0, min_ratio=0.25, seed=1))
+    layer.load_full_state_dict(sd)
+    x_local = x[lo:hi].clone().requires_grad_(True)
+    layer(x_local).backward(g[lo:hi])
+    s = layer.last_stats
+    counts, quota = s["counts_E"], s["quota_E"]
+    assert torch.equal(s["kept_E"], quota), "exactly the quotas kept"
+    cap = math.ceil(float(counts.sum()) / world)
+    floor = torch.ceil(0.25 * counts - 1e-6).long()
+    for r in range(world):
+        slots = list(layer.placement.slots[r])
+        assert int(quota[slots].sum()) <= max(cap, int(floor[slots].sum())), (r, quota, counts)
+    keep = comm.all_gather(layer.last_kept, sizes, group)
+    scale = comm.all_gather(layer.last_scale, sizes, group)
+    _, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
+    close("dx", x_local.grad, ref_dx[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, want in ref_grads.items():
+        close(f"grad {name}", grads[name], want)
+    return int(counts.sum()), int(quota.sum())
+
+
+def test_a_skewed_layer_keeps_the_balanced_load(pool):
+    (pairs, kept), _ = pool.run(2, balanced_case)
+    assert kept < pairs, "the hot rank's overload was trimmed"
