@@ -88,3 +88,28 @@ def balanced_case(group):
 def test_a_skewed_layer_keeps_the_balanced_load(pool):
     (pairs, kept), _ = pool.run(2, balanced_case)
     assert kept < pairs, "the hot rank's overload was trimmed"
+
+
+def empty_rank_case(group):
+    """Rank 1 routes no tokens: its strata keep all of its (no) pairs while rank 0 trims. Every
+    rank must still take the same row path — the messages of a kept-in-strata backward carry
+    positions, the forward's rows' do not — or the exchange fails (it did, 2026-12-02)."""
+    cfg = MoEConfig(**QWEN)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = make_problem(cfg, 48, 6, "none")
+    sizes = split_tokens(48, world, 1)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(ratio=0.5, seed=2))
+    layer.load_full_state_dict(sd)
+    x_local = x[lo:hi].clone().requires_grad_(True)
+    layer(x_local).backward(g[lo:hi])
+    keep = comm.all_gather(layer.last_kept, sizes, group)
+    scale = comm.all_gather(layer.last_scale, sizes, group)
+    _, ref_dx, _, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
+    close("dx", x_local.grad, ref_dx[lo:hi])
+    return int(layer.last_stats["quota_E"].sum()), int(layer.last_stats["counts_E"].sum())
+
+
+def test_a_rank_that_keeps_all_its_pairs_exchanges_like_the_others(pool):
+    (quota, pairs), _ = pool.run(2, empty_rank_case)
+    assert quota < pairs

@@ -75,7 +75,9 @@ class StrataSelector(Selector):
                channel: Channel) -> Kept:
         plan, layer = call.plan, call.layer
         own, _ = layer.streams.next()
-        if (plan.strata.share_G == plan.strata.sizes_G).all():  # every pair kept (host counts: no read, no draw)
+        # every pair of every rank kept: no draw, and the forward's rows (decided from the plan's
+        # global figures, so that every rank takes the same row path and sends the same messages)
+        if torch.equal(plan.quota_E, plan.counts_SE.sum(0).to(plan.quota_E.dtype)):
             kept_SE = plan.strata.kept_SE
             sampled = layer.backward.selection == "local-sampled"  # its weights 1/π, here all 1
             scale_P = torch.ones(call.ids_TK.numel(), dtype=torch.float64, device=g_TD.device) if sampled else None
