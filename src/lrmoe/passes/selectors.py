@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lrmoe.parallel.comm import Channel
@@ -77,7 +78,7 @@ class StrataSelector(Selector):
         own, _ = layer.streams.next()
         # every pair of every rank kept: no draw, and the forward's rows (decided from the plan's
         # global figures, so that every rank takes the same row path and sends the same messages)
-        if torch.equal(plan.quota_E, plan.counts_SE.sum(0).to(plan.quota_E.dtype)):
+        if np.array_equal(plan.quota_E.numpy(), plan.counts_SE.sum(0).numpy()):  # (host counts)
             kept_SE = plan.strata.kept_SE
             sampled = layer.backward.selection == "local-sampled"  # its weights 1/π, here all 1
             scale_P = torch.ones(call.ids_TK.numel(), dtype=torch.float64, device=g_TD.device) if sampled else None
