@@ -151,3 +151,36 @@ def test_in_place_and_gathered_rows_agree_in_bfloat16(monkeypatch):
         grads[way] = [xi.grad.float(), *(p.grad.float() for p in layer.parameters())]
     for a, b in zip(grads["in place"], grads["gathered"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def replicas_in_place_case(group):
+    """lrmoe with replicas (owned and replica weights two sets the GEMMs read in place) keeping
+    0.8 of its pairs: the kept rows compacted in place, the gradients the reference's."""
+    cfg = MoEConfig(**QWEN)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = make_problem(cfg, 512, 5, "hot_expert")
+    sizes = split_tokens(512, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    layer = MoELayer(cfg, system="lrmoe", group=group, budget=ClusterBudget(10**9),
+                     backward=BackwardConfig(ratio=0.8, seed=4))
+    layer.load_full_state_dict(sd)
+    for _ in range(3):  # replicas follow the load from the first step on
+        layer.zero_grad(set_to_none=True)
+        x_local = x[lo:hi].clone().requires_grad_(True)
+        layer(x_local).backward(g[lo:hi])
+        layer.step_end()
+    keep = comm.all_gather(layer.last_kept, sizes, group)
+    scale = comm.all_gather(layer.last_scale, sizes, group)
+    _, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
+    close("dx", x_local.grad, ref_dx[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, want in ref_grads.items():
+        close(f"grad {name}", grads[name], want)
+    s = layer.last_stats
+    return s["compaction"], s["replica_slots"] - len(layer.placement.owned(rank))
+
+
+def test_in_place_with_replicas_equals_the_reference(pool):
+    res = pool.run(2, replicas_in_place_case)
+    assert all(compaction == "in place" for compaction, _ in res), res
+    assert sum(replicas for _, replicas in res) > 0, "a rank holds a replica"
