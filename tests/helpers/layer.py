@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from lrmoe import ClusterBudget, MoEConfig, MoELayer, experts
+from lrmoe.parallel import comm
+from tests.oracles.dense_moe import reference_grads
 
 ATOL = 2e-5
 
@@ -20,6 +22,22 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) 
     err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
     scale = max(want.float().abs().max().item() if want.numel() else 0.0, 1.0)
     assert err <= atol * scale, f"{name}: max abs error {err:.3g} (scale {scale:.3g})"
+
+
+def equals_kept_reference(layer: MoELayer, x_grad_local: torch.Tensor, x: torch.Tensor, g: torch.Tensor, sd: dict,
+                          cfg: MoEConfig, sizes: list[int], group, label: str = "") -> None:
+    """The layer's latest backward equals the dense reference's with exactly its kept pairs and
+    their weights (collective): this rank's dx (``sizes``: every rank's tokens, in rank order)
+    and every full-shape gradient."""
+    rank = comm.rank_of(group)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    keep = comm.all_gather(layer.last_kept, sizes, group)
+    scale = None if layer.last_scale is None else comm.all_gather(layer.last_scale, sizes, group)
+    _, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
+    close(f"{label} dx", x_grad_local, ref_dx[lo:hi])
+    grads = layer.gather_full_grads()
+    for name, want in ref_grads.items():
+        close(f"{label} grad {name}", grads[name], want)
 
 
 def make_problem(cfg: MoEConfig, n_tokens: int, seed: int, skew: str):

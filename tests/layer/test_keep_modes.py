@@ -13,7 +13,7 @@ import torch
 from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
 from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
 from lrmoe.parallel import comm
-from tests.helpers.layer import QWEN, Recorder, close, make_problem, split_tokens
+from tests.helpers.layer import QWEN, Recorder, close, equals_kept_reference, make_problem, split_tokens
 from tests.helpers.pool import RankPool
 from tests.oracles.dense_moe import reference_grads
 
@@ -169,13 +169,7 @@ def replicas_in_place_case(group):
         x_local = x[lo:hi].clone().requires_grad_(True)
         layer(x_local).backward(g[lo:hi])
         layer.step_end()
-    keep = comm.all_gather(layer.last_kept, sizes, group)
-    scale = comm.all_gather(layer.last_scale, sizes, group)
-    _, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
-    close("dx", x_local.grad, ref_dx[lo:hi])
-    grads = layer.gather_full_grads()
-    for name, want in ref_grads.items():
-        close(f"grad {name}", grads[name], want)
+    equals_kept_reference(layer, x_local.grad, x, g, sd, cfg, sizes, group)
     s = layer.last_stats
     return s["compaction"], s["replica_slots"] - len(layer.placement.owned(rank))
 

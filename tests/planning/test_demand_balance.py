@@ -14,9 +14,8 @@ from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.parallel import comm
 from lrmoe.planning.backward_plan import demand_balanced
 from lrmoe.planning.placement import Placement
-from tests.helpers.layer import QWEN, close, make_problem, split_tokens
+from tests.helpers.layer import QWEN, equals_kept_reference, make_problem, split_tokens
 from tests.helpers.pool import RankPool
-from tests.oracles.dense_moe import reference_grads
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +74,7 @@ def balanced_case(group):
     for r in range(world):
         slots = list(layer.placement.slots[r])
         assert int(quota[slots].sum()) <= max(cap, int(floor[slots].sum())), (r, quota, counts)
-    keep = comm.all_gather(layer.last_kept, sizes, group)
-    scale = comm.all_gather(layer.last_scale, sizes, group)
-    _, ref_dx, ref_grads, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
-    close("dx", x_local.grad, ref_dx[lo:hi])
-    grads = layer.gather_full_grads()
-    for name, want in ref_grads.items():
-        close(f"grad {name}", grads[name], want)
+    equals_kept_reference(layer, x_local.grad, x, g, sd, cfg, sizes, group)
     return int(counts.sum()), int(quota.sum())
 
 
@@ -103,10 +96,7 @@ def empty_rank_case(group):
     layer.load_full_state_dict(sd)
     x_local = x[lo:hi].clone().requires_grad_(True)
     layer(x_local).backward(g[lo:hi])
-    keep = comm.all_gather(layer.last_kept, sizes, group)
-    scale = comm.all_gather(layer.last_scale, sizes, group)
-    _, ref_dx, _, _ = reference_grads(x, g, sd, cfg, keep_TK=keep, scale_TK=scale)
-    close("dx", x_local.grad, ref_dx[lo:hi])
+    equals_kept_reference(layer, x_local.grad, x, g, sd, cfg, sizes, group)
     return int(layer.last_stats["quota_E"].sum()), int(layer.last_stats["counts_E"].sum())
 
 

@@ -58,7 +58,7 @@ class Message:
     @staticmethod
     def empty(n: int, width: int, like: torch.Tensor, extra_dtype: torch.dtype) -> Message | None:
         """An unfilled message of ``n`` rows; None where a row's bytes would misalign the value."""
-        size, extra = like.element_size(), torch.empty(0, dtype=extra_dtype).element_size()
+        size, extra = like.element_size(), extra_dtype.itemsize
         if (width * size) % extra:
             return None
         return Message(like.new_empty(n, width + extra // size), width, extra_dtype)
@@ -120,12 +120,12 @@ class Delivered:
         return rows_RD
 
 
-def to_kept_experts(dy_ND: torch.Tensor, pos_N: torch.Tensor, layout: RowLayout, fwd: RowLayout, channel: Channel
+def to_kept_experts(sent: Message, layout: RowLayout, fwd: RowLayout, channel: Channel
                     ) -> tuple[Delivered, torch.Tensor | None]:
     """:func:`to_experts` of the kept rows' dy under a :func:`~lrmoe.parallel.rows.kept_layout`,
-    each row's stratum position riding as extra columns. Returns dy as delivered and each kept
-    row's slot-major index among the forward's received rows, slot-major (None: every row kept)."""
-    sent = Message.of(dy_ND, pos_N.to(position_dtype(dy_ND)))
+    each row's stratum position riding as extra columns of the message (:func:`position_dtype`).
+    Returns dy as delivered and each kept row's slot-major index among the forward's received
+    rows, slot-major (None: every row kept)."""
     recv_RX = channel.all_to_all(sent.buffer_NX, layout.send_splits, layout.recv_splits)
     recv_RD, pos_R = Message.split(recv_RX, sent.width, sent.extra_dtype)
     channel.delivered(recv_RD)

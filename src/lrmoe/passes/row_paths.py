@@ -21,7 +21,15 @@ from lrmoe import experts
 from lrmoe.memory.bytes import KEEP_NOTHING, in_place
 from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Channel
-from lrmoe.parallel.dispatch import Delivered, kept_forward_rows, to_experts, to_home, to_kept_experts
+from lrmoe.parallel.dispatch import (
+    Delivered,
+    Message,
+    kept_forward_rows,
+    position_dtype,
+    to_experts,
+    to_home,
+    to_kept_experts,
+)
 from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
 from lrmoe.passes.compaction import compact_in_place, gather_kept_rows
 from lrmoe.passes.expert_rows import expert_rows_backward
@@ -43,6 +51,16 @@ class DyRows:
 
     def of(self, pairs_N: torch.Tensor) -> torch.Tensor:
         return torch.index_select(self.g_TD, 0, pairs_N // self.K).mul_(self.factor_P[pairs_N].unsqueeze(1))
+
+    def with_positions(self, pairs_N: torch.Tensor, pos_N: torch.Tensor) -> Message:
+        """dy of ``pairs_N`` and each one's position in one message, dy scaled straight into it."""
+        message = Message.empty(len(pairs_N), self.g_TD.shape[1], self.g_TD, position_dtype(self.g_TD))
+        if message is None:  # a row's bytes would misalign the position: packed, then copied beside it
+            return Message.of(self.of(pairs_N), pos_N.to(position_dtype(self.g_TD)))
+        torch.mul(torch.index_select(self.g_TD, 0, pairs_N // self.K), self.factor_P[pairs_N].unsqueeze(1),
+                  out=message.rows)
+        message.extra.copy_(pos_N)
+        return message
 
 
 def _compact_saved(call: CallRecord, kept_rows: torch.Tensor | None, layout: RowLayout) -> torch.Tensor | None:
@@ -189,8 +207,8 @@ class KeptInStrata(ForwardRows):
         if comm.world_size(channel.group) == 1:
             order_R = _compact_saved(call, kept_forward_rows(rows.kept_pos_N, rows.layout, call.rows), rows.layout)
             return _packed_in_order(dy, rows.layout, order_R, channel), _take_saved(call)
-        delivered, kept_rows = to_kept_experts(dy.of(rows.layout.pair_idx), rows.kept_pos_N, rows.layout, call.rows,
-                                               channel)
+        delivered, kept_rows = to_kept_experts(dy.with_positions(rows.layout.pair_idx, rows.kept_pos_N), rows.layout,
+                                               call.rows, channel)
         return delivered.slot_major(channel, _compact_saved(call, kept_rows, rows.layout)), _take_saved(call)
 
 
