@@ -49,16 +49,17 @@ class DyRows:
     factor_P: torch.Tensor  # the routing weight, times 1/π for sampled pairs (0: masked)
     K: int
 
-    def of(self, pairs_N: torch.Tensor) -> torch.Tensor:
-        return torch.index_select(self.g_TD, 0, pairs_N // self.K).mul_(self.factor_P[pairs_N].unsqueeze(1))
+    def of(self, pairs_N: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """dy of ``pairs_N``, scaled into ``out`` if given (else over the gathered g rows)."""
+        g_ND = torch.index_select(self.g_TD, 0, pairs_N // self.K)
+        return torch.mul(g_ND, self.factor_P[pairs_N].unsqueeze(1), out=g_ND if out is None else out)
 
     def with_positions(self, pairs_N: torch.Tensor, pos_N: torch.Tensor) -> Message:
         """dy of ``pairs_N`` and each one's position in one message, dy scaled straight into it."""
         message = Message.empty(len(pairs_N), self.g_TD.shape[1], self.g_TD, position_dtype(self.g_TD))
         if message is None:  # a row's bytes would misalign the position: packed, then copied beside it
             return Message.of(self.of(pairs_N), pos_N.to(position_dtype(self.g_TD)))
-        torch.mul(torch.index_select(self.g_TD, 0, pairs_N // self.K), self.factor_P[pairs_N].unsqueeze(1),
-                  out=message.rows)
+        self.of(pairs_N, out=message.rows)
         message.extra.copy_(pos_N)
         return message
 
