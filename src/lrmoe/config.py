@@ -19,6 +19,7 @@ LOCAL_SELECTIONS = ("local", "local-sampled")
 # What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute")
 KEEP_X_ACTS, KEEP_X, KEEP_NOTHING = "x+acts", "x", "nothing"
 KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
+OBJECTIVES = ("memory", "time")  # what the controller's quotas minimise beyond fitting (BackwardConfig)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -157,7 +158,12 @@ class BackwardConfig:
     ``balance``: demand-side balance (docs/design.md "Controller"): each rank's backward keeps
     at most (1 + balance) × the call's balanced mean of pairs a rank, the overload of hot
     experts trimmed max–min fair, never below ``min_ratio`` of an expert's pairs; None (the
-    default) trims for memory (and the ratio) alone.
+    default) trims for memory (and the ratio) alone. ``objective``: ``"memory"`` (the default)
+    keeps every pair memory, the network and the ratio allow; ``"time"`` also trims where the
+    predicted time to target falls (:mod:`lrmoe.planning.time_objective`): steps grow as
+    1 + ``drop_cost`` · (share of pairs dropped) down to ``min_ratio`` (the convergence study's
+    fit, docs/convergence.md), while each call's GEMM work shrinks with its kept rows. It
+    applies to the compacting systems, whose GEMMs shrink.
     """
 
     selection: str = "local-sampled"
@@ -168,6 +174,8 @@ class BackwardConfig:
     keep: str | None = None
     balance: float | None = None
     min_ratio: float = 0.5
+    objective: str = "memory"
+    drop_cost: float = 0.3
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -185,6 +193,10 @@ class BackwardConfig:
                                          or not self.balance >= 0):
             raise _bad("balance", self.balance, "expected None or a number >= 0 (the overload over the mean allowed)")
         _fraction("min_ratio", self.min_ratio)
+        if self.objective not in OBJECTIVES:
+            raise _bad("objective", self.objective, f"expected one of {OBJECTIVES}")
+        if isinstance(self.drop_cost, bool) or not isinstance(self.drop_cost, (int, float)) or not self.drop_cost >= 0:
+            raise _bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
 
     @property
     def local(self) -> bool:
@@ -212,7 +224,10 @@ class ClusterBudget:
     ``memory_bytes``: expert slots (parameters + gradient buffers of owned experts and
     replicas) plus token-row buffers, forward and backward; it engages ``lrmoe``'s controller
     (``None``: unbounded). ``network_bytes``: optional bound on the bytes a rank's expert side
-    receives and returns in one backward (kept rows in, their dx out). ``slots``: optional fixed
+    receives and returns in one backward (kept rows in, their dx out); ``network_fraction``: the
+    same as a fraction of what a rank with the call's mean load receives and returns when it keeps
+    nothing (x and dy in, dx out for each of its pairs), set anew for each call — the simulator's
+    ``--network-budget``; not with ``network_bytes``. ``slots``: optional fixed
     number of expert slots per rank, which then takes precedence over slots derived from memory.
     Each is one int for every rank or a list with one per rank. ``ranks_per_node``: ranks
     ``[n·k, (n+1)·k)`` share node n (``topoep`` plans by it; every system then reports
@@ -222,6 +237,7 @@ class ClusterBudget:
 
     memory_bytes: int | list[int] | None = None
     network_bytes: int | list[int] | None = None
+    network_fraction: float | None = None
     slots: int | list[int] | None = None
     ranks_per_node: int | None = None
     intra_node_gbps: float | None = None
@@ -236,6 +252,14 @@ class ClusterBudget:
                 _per_rank(name, value, len(value), minimum)
             else:
                 _per_rank(name, value, 1, minimum)
+        if self.network_fraction is not None:
+            if isinstance(self.network_fraction, bool) or not isinstance(self.network_fraction, (int, float)) \
+                    or not self.network_fraction > 0:
+                raise _bad("network_fraction", self.network_fraction, "expected a number > 0 (of a balanced "
+                           "rank's keep-nothing backward bytes)")
+            if self.network_bytes is not None:
+                raise _bad("network_fraction", self.network_fraction, "expected network_bytes or network_fraction, "
+                           "not both")
         if self.ranks_per_node is not None:
             _per_rank("ranks_per_node", self.ranks_per_node, 1, 1)
         for name in ("intra_node_gbps", "inter_node_gbps"):

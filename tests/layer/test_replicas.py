@@ -197,17 +197,17 @@ def test_placement_bytes_counted(pool):
     assert sum(pool.run(4, placement_bytes_case)) > 0
 
 
-def network_case(group, network_bytes):
+def network_case(group, network_bytes, network_fraction=None):
     cfg = MoEConfig(**CFG)
     world, rank = comm.world_size(group), comm.rank_of(group)
     sd, x, g = skewed_tokens(cfg, 256, 4, "none")
     lo, hi = rank * 256 // world, (rank + 1) * 256 // world
-    layer = MoELayer(cfg, system="lrmoe", group=group,
-                     budget=ClusterBudget(50_000_000, network_bytes=network_bytes))
+    budget = ClusterBudget(50_000_000, network_bytes=network_bytes, network_fraction=network_fraction)
+    layer = MoELayer(cfg, system="lrmoe", group=group, budget=budget)
     layer.load_full_state_dict(sd)
     layer(x[lo:hi]).backward(g[lo:hi])
     per_row = 3 * cfg.dim * 4  # dy and x in, dx out
-    assert layer.last_stats["bwd_gemm_rows"] * per_row <= network_bytes
+    assert layer.last_stats["bwd_gemm_rows"] * per_row <= (network_bytes or network_fraction * 256 * per_row)
     return int(layer.last_stats["kept_E"].sum())
 
 
@@ -215,3 +215,11 @@ def test_network_budget_bounds_kept_rows(pool):
     tight = pool.run(2, network_case, 40 * 3 * 16 * 4)[0]
     loose = pool.run(2, network_case, 10**9)[0]
     assert tight < loose == 512
+
+
+def test_a_network_fraction_is_the_mean_loaded_ranks_keep_nothing_bytes(pool):
+    """512 pairs over 2 ranks: 0.3 of 256 rows' x, dy and dx is the budget 0.3 · 256 · 3 · D · 4."""
+    as_fraction = pool.run(2, network_case, None, 0.3)[0]
+    assert as_fraction == pool.run(2, network_case, int(0.3 * 256) * 3 * 16 * 4)[0] < 512
+    with pytest.raises(ValueError, match="not both"):
+        ClusterBudget(memory_bytes=10**6, network_bytes=1000, network_fraction=0.5)

@@ -25,6 +25,7 @@ from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
+from lrmoe.planning.time_objective import fastest_quotas
 from lrmoe.selection.strata import StrataCounts, plan_strata
 
 if TYPE_CHECKING:  # the planner drives this module
@@ -45,7 +46,8 @@ class BackwardPlan:
 
 def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     """The backward's plan of a training call from its forward ``plan`` (pure): the controller's
-    kept capacities and quotas, the keep mode, and for a local selection this rank's strata and,
+    kept capacities and quotas (trimmed further where the time objective predicts it pays), the
+    keep mode, and for a local selection this rank's strata and,
     where a compacting backward keeps nothing, the min-peak assignment of its kept pairs — the
     strata fix the kept counts per source from the plan alone, so that assignment is known now
     (a global selection's depends on its scores: its backward assigns them)."""
@@ -53,11 +55,19 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     if not spec.selective:  # an exact backward: what the forward's fit keeps, nothing else
         return BackwardPlan(keep=plan.keep)
     placement = plan.placement
-    kept_capacity_R = planner.controller.kept_capacity(placement) if planner.controller is not None else None
-    quota_E = quotas(planner, plan.counts_SE.sum(0), placement, kept_capacity_R, plan.assignment)
+    counts_E = plan.counts_SE.sum(0)
+    kept_capacity_R = None if planner.controller is None else \
+        planner.controller.kept_capacity(placement, int(counts_E.sum()))
+    quota_E = quotas(planner, counts_E, placement, kept_capacity_R, plan.assignment)
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
-        keep = planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, quota_E)
+        def keep_of(q_E: torch.Tensor) -> str:
+            return planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
+
+        if planner.backward.objective == "time":
+            quota_E, keep = fastest_quotas(counts_E, plan.assignment.rows_ER(), quota_E, keep_of, planner.backward)
+        else:
+            keep = keep_of(quota_E)
     strata = kept_assignment = None
     if planner.backward.local:
         strata = plan_strata(plan.assignment, placement, plan.counts_SE, quota_E, planner.rank)

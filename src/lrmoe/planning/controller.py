@@ -12,7 +12,8 @@ the layer's expert side and dtype size s:
   per replica, and the owned weights are copied once more into the concatenated slot weights.
 
 So rank r can keep ``cap_r = (M_r − slots − replica buffers) / ((2D + 4F)·s)`` backward rows,
-further bounded by the network budget N_r / (3·D·s) (dy and x in, dx out per kept row).
+further bounded by the network budget N_r / (3·D·s) (dy and x in, dx out per kept row), N_r
+in bytes or as a fraction of a mean-loaded rank's keep-nothing bytes in the call.
 
 Quotas are max–min fair (:func:`lrmoe.planning.quotas.max_min_quotas`): the largest common retention
 ratio whose kept pairs fit every rank's capacity, found by progressive filling, then leftover
@@ -21,6 +22,7 @@ capacity filled. Deterministic and identical on every rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -44,6 +46,7 @@ class Controller:
     def __init__(self, config: MoEConfig, budget: ClusterBudget, world: int) -> None:
         self.config, self.budget, self.world = config, budget, world
         self.memory_R, self.network_R, self.fixed_slots_R = budget.per_rank(world)
+        self.network_fraction = budget.network_fraction
         self.costs = ByteModel.of(config)
 
     # ------------------------------------------------------------------ slots
@@ -121,16 +124,28 @@ class Controller:
             return bounded, chunks(bounded)
 
     # ------------------------------------------------------------------ backward
-    def kept_capacity(self, placement: Placement) -> list[int]:
-        """Backward rows each rank can keep within its memory (and network) budget."""
+    def network_for(self, pairs: int | None) -> list[int] | None:
+        """Each rank's backward bytes for a call of ``pairs`` token–expert pairs: the budget's
+        ``network_bytes``, or its ``network_fraction`` × what a rank with the mean load,
+        ``pairs`` / world rows, receives and returns keeping nothing (x and dy in, dx out)."""
+        if self.network_fraction is None:
+            return self.network_R
+        if pairs is None:
+            raise ValueError("a network_fraction budget needs the call's pairs")
+        return [int(self.network_fraction * math.ceil(pairs / self.world) * self.costs.bwd_wire)] * self.world
+
+    def kept_capacity(self, placement: Placement, pairs: int | None = None) -> list[int]:
+        """Backward rows each rank can keep within its memory (and network) budget, in a call of
+        ``pairs`` pairs (needed by a ``network_fraction`` budget)."""
         caps = []
         # a kept row's dy, x and recomputed activations; at least dy, x and x's slot-major copy
         per_row = max(self.costs.bwd_kept, 3 * self.costs.row)
+        network_R = self.network_for(pairs)
         for r in range(self.world):
             room = self.memory_R[r] - self._slot_bytes(placement, r)
             cap = max(room, 0) // per_row
-            if self.network_R is not None:
-                cap = min(cap, self.network_R[r] // self.costs.bwd_wire)
+            if network_R is not None:
+                cap = min(cap, network_R[r] // self.costs.bwd_wire)
             caps.append(int(cap))
         return caps
 
@@ -142,7 +157,7 @@ class Controller:
         ``rows``: an assignment of every pair of ``counts_E`` to its expert's holders on
         ``placement`` (the call's forward); where it fits every rank's capacity it is a flow
         that keeps every pair, so the quotas are the counts and no flow is solved."""
-        cap_R = self.kept_capacity(placement) if cap_R is None else cap_R
+        cap_R = self.kept_capacity(placement, int(counts_E.sum())) if cap_R is None else cap_R
         if rows is not None and keeps_every_pair(counts_E, rows, cap_R):
             return counts_E.to(torch.long).clone()
         try:

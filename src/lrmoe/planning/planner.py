@@ -274,7 +274,7 @@ class LayerPlanner:
         or what its ``BackwardConfig.keep`` fixes."""
         if self.backward.keep is not None:
             return self.backward.keep
-        network_R = self.controller.network_R if self.controller is not None else None
+        network_R = None if self.controller is None else self.controller.network_for(sum(assignment.rows_R()))
         return peak_model.keep_mode(self.peaks, placement, assignment, chunk_rows_R, quota_E, network_R,
                                     self.backward.local)
 

@@ -240,7 +240,7 @@ class _Trials:
         """Most and fewest pairs the quotas on ``placement`` keep: each rank keeps at most its
         kept capacity and the pairs of the experts it holds; where every rank can keep all of
         them, the quotas keep every pair."""
-        cap_R = self.search.controller.kept_capacity(placement)
+        cap_R = self.search.controller.kept_capacity(placement, self.pairs)
         held_R = [sum(self.counts_E[e] for e in experts) for experts in placement.slots]
         most = min(self.pairs, sum(min(c, h) for c, h in zip(cap_R, held_R)))
         return most, self.pairs if all(h <= c for c, h in zip(cap_R, held_R)) else 0

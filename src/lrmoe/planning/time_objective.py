@@ -1,0 +1,79 @@
+"""The controller's time objective: trim a call's backward where that shortens the time to target.
+
+Memory and the network decide what a backward *can* keep; this decides what it *should* keep
+(``BackwardConfig(objective="time")``, docs/design.md "Controller"). Two measured effects pull
+against each other:
+
+- **Steps.** Dropping pairs adds variance to the expert-weight gradients, so the model needs
+  more steps to the target. The convergence study (docs/convergence.md) fits it as
+  ``steps(ρ) ≈ 1 + drop_cost · (1 − ρ)`` for the pairs kept, ρ, down to ``min_ratio``, below
+  which it was not measured to hold (the guard).
+- **Time per step.** A call's MoE time is its slowest rank's expert GEMM work, in passes over a
+  row: three forward passes (gate, up, down) per forward row; a backward pass per kept row of
+  each of its GEMMs — six with x and the activations kept, eight where gate and up are
+  recomputed (x kept), nine where x travels to the expert side again (nothing kept); and
+  ``FIXED_PASSES`` per forward row for what no kept ratio shrinks (the router's gradient, dy's
+  packing, dx's scatter, the gradient buffers: about 8 % of static's backward in
+  ``benchmarks/bench_backward.py``). Trimming can also let a capped rank keep x and the
+  activations where an exact backward must recompute them, which is where it pays most.
+
+The objective picks, among the ratios 1, 1 − ``RATIO_STEP``, … down to ``min_ratio``, the quotas
+(each the memory controller's, capped at that ratio) with the least ``steps × work``. Within one
+keep mode both factors are linear in ρ, so their product is concave and its least value sits
+at an end of a keep mode's interval; the grid finds those ends to within a step. Ties keep more.
+Everything is read from the call's forward plan, so every rank picks the same quotas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lrmoe.config import KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, BackwardConfig
+from lrmoe.planning.quota_ratio import fixed_ratio_quota
+
+FORWARD_PASSES = 3.0
+BACKWARD_PASSES = {KEEP_X_ACTS: 6.0, KEEP_X: 8.0, KEEP_NOTHING: 9.0}
+FIXED_PASSES = 0.5  # per forward row: the backward's work no kept ratio shrinks (~8 % of static's 6 passes)
+RATIO_STEP = 0.05
+
+
+def call_work(rows_ER: torch.Tensor, quota_E: torch.Tensor, keep: str) -> float:
+    """The slowest rank's expert work in row passes when each expert keeps ``quota_E`` pairs,
+    kept where the forward computed them (``rows_ER``: the forward's rows of expert e on rank r)."""
+    fwd_R = rows_ER.sum(0).to(torch.float64)
+    bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).to(torch.float64)
+    return float(((FORWARD_PASSES + FIXED_PASSES) * fwd_R + BACKWARD_PASSES[keep] * bwd_R).max())
+
+
+def candidate_ratios(min_ratio: float) -> list[float]:
+    """1, 1 − RATIO_STEP, … and ``min_ratio`` itself, never below it."""
+    n = int((1.0 - min_ratio) / RATIO_STEP + 1e-9)
+    return sorted({*(round(1.0 - i * RATIO_STEP, 10) for i in range(n + 1)), min_ratio}, reverse=True)
+
+
+def fastest_quotas(counts_E: torch.Tensor, rows_ER: torch.Tensor, quota_E: torch.Tensor,
+                   keep_of: Callable[[torch.Tensor], str], cfg: BackwardConfig) -> tuple[torch.Tensor, str]:
+    """(quotas, keep mode) with the least predicted time to target, each candidate ``quota_E``
+    (what memory, the network and the ratio allow) capped at a ratio of ``counts_E``;
+    ``keep_of``: the keep mode a candidate's quotas leave room for."""
+    total = float(counts_E.sum())
+    best: tuple[float, torch.Tensor, str] | None = None
+    last = None
+    for ratio in candidate_ratios(cfg.min_ratio):
+        q_E = torch.minimum(quota_E, fixed_ratio_quota(counts_E, ratio))
+        if last is not None and torch.equal(q_E, last):
+            continue
+        last = q_E
+        keep = keep_of(q_E)
+        dropped = 1.0 - float(q_E.sum()) / total if total else 0.0
+        predicted = (1.0 + cfg.drop_cost * dropped) * call_work(rows_ER, q_E, keep)
+        if best is None or predicted < best[0] * (1 - 1e-9):
+            best = (predicted, q_E, keep)
+    assert best is not None
+    return best[1], best[2]
+
+
+__all__ = ["BACKWARD_PASSES", "FIXED_PASSES", "FORWARD_PASSES", "RATIO_STEP", "call_work", "candidate_ratios",
+           "fastest_quotas"]

@@ -1,0 +1,110 @@
+"""The controller's time objective (``BackwardConfig(objective="time")``): trim where the
+predicted steps × work falls — nothing where dropping costs more steps than it saves, down to
+``min_ratio`` where it costs nothing, and just far enough where trimming lets a capped rank keep
+its activations; a layer under it keeps what it planned and its gradients are the reference's
+with that kept set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe import BackwardConfig, MoEConfig, MoELayer
+from lrmoe.config import KEEP_X, KEEP_X_ACTS
+from lrmoe.parallel import comm
+from lrmoe.planning.quota_ratio import fixed_ratio_quota
+from lrmoe.planning.time_objective import call_work, candidate_ratios, fastest_quotas
+from tests.helpers.layer import QWEN, equals_kept_reference, make_problem, split_tokens
+from tests.helpers.pool import RankPool
+
+COUNTS_E = torch.tensor([300, 100, 60, 40, 100, 100, 100, 100])
+ROWS_ER = torch.tensor([[300, 0], [100, 0], [60, 0], [40, 0], [0, 100], [0, 100], [0, 100], [0, 100]])
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(world=2)
+    yield p
+    p.close()
+
+
+def test_candidates_run_from_one_to_the_floor():
+    assert candidate_ratios(0.5) == [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5]
+    assert candidate_ratios(0.62)[-1] == 0.62 and min(candidate_ratios(0.62)) == 0.62
+    assert candidate_ratios(1.0) == [1.0]
+
+
+def test_work_counts_the_slowest_rank_in_row_passes():
+    everything = call_work(ROWS_ER, COUNTS_E, KEEP_X_ACTS)
+    assert everything == (3 + 0.5) * 500 + 6 * 500, "rank 0: 500 forward rows, all kept"
+    assert call_work(ROWS_ER, COUNTS_E, KEEP_X) == (3 + 0.5) * 500 + 8 * 500, "gate and up recomputed"
+    half = fixed_ratio_quota(COUNTS_E, 0.5)
+    assert call_work(ROWS_ER, half, KEEP_X_ACTS) == (3 + 0.5) * 500 + 6 * 250
+
+
+def test_free_trimming_goes_to_the_floor_and_costly_trimming_keeps_everything():
+    def acts(_q):
+        return KEEP_X_ACTS
+
+    free, _ = fastest_quotas(COUNTS_E, ROWS_ER, COUNTS_E, acts, BackwardConfig(objective="time", drop_cost=0.0,
+                                                                              min_ratio=0.6))
+    assert torch.equal(free, fixed_ratio_quota(COUNTS_E, 0.6))
+    # work(ρ) = 1750 + 3000ρ on the slowest rank; steps 1 + d(1 − ρ): trimming to 0.6 pays iff
+    # (1 + 0.4d)(3550) < 4750, i.e. d < 0.845
+    kept, _ = fastest_quotas(COUNTS_E, ROWS_ER, COUNTS_E, acts, BackwardConfig(objective="time", drop_cost=0.9,
+                                                                              min_ratio=0.6))
+    assert torch.equal(kept, COUNTS_E)
+    trimmed, _ = fastest_quotas(COUNTS_E, ROWS_ER, COUNTS_E, acts, BackwardConfig(objective="time", drop_cost=0.8,
+                                                                                 min_ratio=0.6))
+    assert torch.equal(trimmed, fixed_ratio_quota(COUNTS_E, 0.6))
+
+
+def test_under_a_cap_it_trims_just_far_enough_to_keep_the_activations():
+    """Only 400 kept pairs on rank 0 leave room for the activations; beyond that, trimming costs
+    more steps than it saves: the objective stops where the keep mode turns x+acts. With d = 1.5:
+    x at ρ = 1 predicts 5750, x+acts at 0.8 (1 + 0.3)·4150 = 5395, x+acts at 0.5 1.75·3250 = 5687."""
+    def by_room(q_E):
+        return KEEP_X_ACTS if int(q_E[:4].sum()) <= 400 else KEEP_X
+
+    q_E, keep = fastest_quotas(COUNTS_E, ROWS_ER, COUNTS_E, by_room, BackwardConfig(objective="time", drop_cost=1.5))
+    assert keep == KEEP_X_ACTS
+    assert torch.equal(q_E, fixed_ratio_quota(COUNTS_E, 0.8)), "the first ratio whose rank 0 keeps <= 400"
+
+
+def test_the_memory_quotas_bound_every_candidate():
+    memory_E = COUNTS_E // 2
+    q_E, _ = fastest_quotas(COUNTS_E, ROWS_ER, memory_E, lambda _q: KEEP_X_ACTS,
+                            BackwardConfig(objective="time", drop_cost=5.0))
+    assert torch.equal(q_E, memory_E), "what memory forces stays trimmed however costly dropping is"
+
+
+@pytest.mark.parametrize("field,value", [("objective", "speed"), ("drop_cost", -1.0), ("drop_cost", True)])
+def test_bad_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        BackwardConfig(**{field: value})
+
+
+def time_case(group):
+    """An uncapped layer with free trimming keeps min_ratio of the pairs, as planned, and its
+    gradients are the reference's with its kept set."""
+    cfg = MoEConfig(**QWEN)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = make_problem(cfg, 96, 5, "hot_expert")
+    sizes = split_tokens(96, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    backward = BackwardConfig(objective="time", drop_cost=0.0, min_ratio=0.6, seed=3)
+    layer = MoELayer(cfg, system="lrmoe", group=group, backward=backward)
+    layer.load_full_state_dict(sd)
+    x_local = x[lo:hi].clone().requires_grad_(True)
+    layer(x_local).backward(g[lo:hi])
+    s = layer.last_stats
+    assert torch.equal(s["quota_E"], fixed_ratio_quota(s["counts_E"], 0.6))
+    assert torch.equal(s["kept_E"], s["quota_E"])
+    equals_kept_reference(layer, x_local.grad, x, g, sd, cfg, sizes, group)
+    return int(s["quota_E"].sum()), int(s["counts_E"].sum())
+
+
+def test_a_layer_keeps_what_the_time_objective_planned(pool):
+    (kept, pairs), _ = pool.run(2, time_case)
+    assert kept < pairs
+
