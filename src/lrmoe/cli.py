@@ -24,6 +24,7 @@ import json
 import sys
 from pathlib import Path
 
+from lrmoe.config import OBJECTIVES, BackwardConfig
 from lrmoe.systems import (
     REFERENCE_SYSTEM,
     REPLICATED_BASELINE,
@@ -175,10 +176,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                           ratios=_floats("ratios", args.ratios), selection=args.selection,
                           lrmoe_slots=args.lrmoe_slots, zipf=args.zipf, seed=args.seed,
                           network_budget=args.network_budget or None, convergence=args.convergence,
+                          objective=BackwardConfig(objective=args.objective, drop_cost=args.drop_cost,
+                                                   min_ratio=args.min_ratio),
                           planning=args.planning) for m in models]
         out = Path(args.out)
         project(cfgs, out, progress=not args.quiet)
-    except SimError as e:
+    except (SimError, ValueError) as e:
         print(f"lrmoe: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print((out / "table.md").read_text())
@@ -245,6 +248,12 @@ def _simulate_parser(sub) -> None:
                     f"(the controller's cost search, default) or {LRMOE_SLOTS_FIXED} ({BASE}'s default count, fixed)")
     sm.add_argument("--network-budget", type=float, default=1.0, help=f"{OURS}'s network budget per backward, "
                     "x a balanced rank's dy, x and dx of every pair (default 1; 0: none)")
+    sm.add_argument("--objective", default="memory", choices=OBJECTIVES, help=f"{OURS}'s controller: memory "
+                    "(trim what the budgets force, default) or time (also trim where steps x work falls)")
+    sm.add_argument("--drop-cost", type=float, default=BackwardConfig.drop_cost,
+                    help="the time objective's extra steps per unit of pairs dropped (docs/convergence.md)")
+    sm.add_argument("--min-ratio", type=float, default=BackwardConfig.min_ratio,
+                    help="the time objective's floor on each expert's kept ratio")
     sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -365,3 +365,21 @@ def test_exact_systems_get_lrmoe_budget_search_where_their_step_does_not_fit():
         assert set(row["keep_modes"]) & {"x", "nothing"} and row["steps_ratio"] == roomy[name]["steps_ratio"]
         assert row["step_ms"] > roomy[name]["step_ms"]  # the recompute costs time
         assert row["budget_search"]["trials"]
+
+
+def test_the_time_objective_trims_where_dropping_costs_no_steps():
+    """lrmoe's planner in the projection takes the training objective: with dropping free
+    (drop_cost 0) an ample budget still keeps about min_ratio of the pairs, with the memory
+    objective every one."""
+    cfg = _small()
+    counts = routing_counts(cfg)[0]
+    spec, W = cfg.spec, cfg.gpus
+
+    def kept(objective: BackwardConfig) -> float:
+        planner = SystemPlanner("lrmoe", spec.moe_config(), W, memory_bytes=40 * 2**30, selection="local-sampled",
+                                objective=objective)
+        call = planner.call(counts[0, 0], 2)
+        return call.kept_pairs / call.total_pairs
+
+    assert kept(BackwardConfig()) == 1.0
+    assert 0.6 <= kept(BackwardConfig(objective="time", drop_cost=0.0, min_ratio=0.6)) < 0.62

@@ -41,9 +41,12 @@ RATIO_STEP = 0.05
 
 def call_work(rows_ER: torch.Tensor, quota_E: torch.Tensor, keep: str) -> float:
     """The slowest rank's expert work in row passes when each expert keeps ``quota_E`` pairs,
-    kept where the forward computed them (``rows_ER``: the forward's rows of expert e on rank r)."""
-    fwd_R = rows_ER.sum(0).to(torch.float64)
-    bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).to(torch.float64)
+    spread over its holders in proportion to their forward rows (``rows_ER``: the forward's rows
+    of expert e on rank r), as a local selection's strata split them."""
+    rows_ER = rows_ER.to(torch.float64)
+    fwd_R = rows_ER.sum(0)
+    share_E = quota_E.to(torch.float64) / rows_ER.sum(1).clamp(min=1.0)
+    bwd_R = (rows_ER * share_E.view(-1, 1)).sum(0)
     return float(((FORWARD_PASSES + FIXED_PASSES) * fwd_R + BACKWARD_PASSES[keep] * bwd_R).max())
 
 

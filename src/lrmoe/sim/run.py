@@ -159,6 +159,8 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
         "compare": target.source, "steps_sources": sorted({c.source for c in target.curves.values()}),
         "selection": cfg.selection, "lrmoe_slots": cfg.lrmoe_slots, "ratios": list(cfg.ratios),
         "network_budget": cfg.network_budget, "network_bytes": cfg.network_bytes,
+        "objective": {"objective": cfg.objective.objective, "drop_cost": cfg.objective.drop_cost,
+                      "min_ratio": cfg.objective.min_ratio},
         "planning_reference": reference.source,
         "planning_shape": reference.per_call_ms(spec.num_experts, W)[1],
         "target_steps_static": cfg.target_steps,
