@@ -12,12 +12,20 @@ of steps to target. ``--resume`` keeps runs that finished with the same config.
 
 Writes ``convergence.json`` (one row per run: selection, quota kind, mean kept ratio, steps and
 MoE time to target and their ratios to static) and ``convergence.png``; prints the table.
+
+    python benchmarks/convergence.py --from-compare runs/roomy --out runs/convergence-paper
+
+reads an ``lrmoe compare --seeds`` output instead (``lrmoe@<ratio>`` runs: quota ``ratio``; an
+``lrmoe`` run under a memory cap: quota ``budget``; every seed's ``results*.json``) and writes the
+same study with steps to target the means over the seeds (each run's ``per_seed`` keeps every
+seed's steps and ratio to that seed's static), which ``lrmoe simulate --convergence`` reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -94,15 +102,65 @@ def study(cfg: RunConfig, plan: dict[str, RunConfig], out: Path, resume: bool) -
             "eval_every": cfg.train.eval_every, "runs": rows}
 
 
+def from_compare(folder: Path) -> dict:
+    """A study from an ``lrmoe compare --seeds`` output: steps to target means over the seeds
+    that reached it (None where a seed did not), MoE times likewise."""
+    by_run: dict[str, dict[int, dict]] = {}
+    selection, eval_every, steps, target_step, max_steps = None, None, None, None, None
+    for sub in sorted(folder.glob("seed-*")):
+        seed = int(sub.name.removeprefix("seed-"))
+        for path in sorted(sub.glob("results*.json")):
+            for name, r in json.loads(path.read_text())["systems"].items():
+                by_run.setdefault(name, {})[seed] = r
+        cfg = load(str(sub / "config.toml"))
+        selection = cfg.backward.selection
+        eval_every = cfg.compare.dense_eval_every or cfg.train.eval_every
+        steps, target_step, max_steps = budget_steps(cfg)
+    ref = f"{REFERENCE_SYSTEM}-uncapped" if f"{REFERENCE_SYSTEM}-uncapped" in by_run else REFERENCE_SYSTEM
+    if ref not in by_run:
+        raise SystemExit(f"{folder}: no {REFERENCE_SYSTEM} run in seed-*/results*.json")
+    rows: dict[str, dict] = {}
+    for name, seeds in by_run.items():
+        if name == ref:
+            kind, sel, ratio = "reference", None, 1.0
+        elif name.startswith("lrmoe@"):
+            kind, sel, ratio = "ratio", selection, float(name.split("@")[1])
+        elif name == "lrmoe" and any(r["memory_cap_bytes"] for r in seeds.values()):
+            kind, sel, ratio = "budget", selection, 1.0
+        else:
+            continue
+        reached = all(r["steps_to_target"] is not None for r in seeds.values())
+        per_seed = {s: {"steps_to_target": r["steps_to_target"], "mean_kept_ratio": r["mean_kept_ratio"],
+                        "steps_vs_static": None if r["steps_to_target"] is None or s not in by_run[ref] else
+                        r["steps_to_target"] / by_run[ref][s]["steps_to_target"]} for s, r in seeds.items()}
+        rows[REFERENCE_SYSTEM if kind == "reference" else name.replace("lrmoe", selection, 1)] = {
+            "selection": sel, "quota": kind, "ratio": ratio,
+            "mean_kept_ratio": statistics.fmean(r["mean_kept_ratio"] for r in seeds.values()),
+            "steps_to_target": statistics.fmean(r["steps_to_target"] for r in seeds.values()) if reached else None,
+            "moe_time_to_target_s": statistics.fmean(r["moe_time_to_target_s"] for r in seeds.values())
+            if reached else None,
+            "steps_run": max(r["steps_run"] for r in seeds.values()), "seeds": sorted(seeds), "per_seed": per_seed}
+    ref_row = rows[REFERENCE_SYSTEM]
+    for r in rows.values():
+        ok = r["steps_to_target"] is not None
+        r["steps_vs_static"] = r["steps_to_target"] / ref_row["steps_to_target"] if ok else None
+        r["moe_time_vs_static"] = r["moe_time_to_target_s"] / ref_row["moe_time_to_target_s"] if ok else None
+    return {"target_loss": None, "reference_steps": steps,
+            "target_step": target_step, "max_steps": max_steps, "eval_every": eval_every,
+            "source": f"lrmoe compare --seeds output {folder}: means over seeds {sorted(by_run[ref])}",
+            "runs": dict(sorted(rows.items(), key=lambda kv: (kv[1]["quota"] != "reference", -kv[1]["ratio"])))}
+
+
 def table(doc: dict) -> str:
-    lines = [f"target {doc['target_loss']:.4f} (static at step {doc['target_step']}); evaluations every "
+    target = "each seed's own" if doc["target_loss"] is None else f"{doc['target_loss']:.4f}"
+    lines = [f"target {target} (static at step {doc['target_step']}); evaluations every "
              f"{doc['eval_every']} steps; others stop at {doc['max_steps']}",
              "| run | kept ratio | steps to target | vs static | MoE time to target (s) | vs static |",
              "|---|---|---|---|---|---|"]
     for name, r in doc["runs"].items():
         def f(v, fmt):
             return "never" if v is None else format(v, fmt)
-        lines.append(f"| {name} | {r['mean_kept_ratio']:.3f} | {f(r['steps_to_target'], 'd')} | "
+        lines.append(f"| {name} | {r['mean_kept_ratio']:.3f} | {f(r['steps_to_target'], 'g')} | "
                      f"{f(r['steps_vs_static'], '.3f')} | {f(r['moe_time_to_target_s'], '.2f')} | "
                      f"{f(r['moe_time_vs_static'], '.3f')} |")
     return "\n".join(lines)
@@ -149,7 +207,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="static's steps (default: the config's)")
     ap.add_argument("--out", default="runs/convergence")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--from-compare", metavar="FOLDER", help="an lrmoe compare --seeds output to read instead")
     args = ap.parse_args()
+    if args.from_compare:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = from_compare(Path(args.from_compare))
+        (out / "convergence.json").write_text(json.dumps(doc, indent=2))
+        print(table(doc))
+        plot(doc, out / "convergence.png")
+        print(f"wrote {out}/convergence.json and convergence.png")
+        return
     cfg = load(args.config)
     cfg = cfg.with_train(eval_every=args.eval_every, **({"steps": args.steps} if args.steps else {}))
 

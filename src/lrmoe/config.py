@@ -175,7 +175,7 @@ class BackwardConfig:
     balance: float | None = None
     min_ratio: float = 0.5
     objective: str = "memory"
-    drop_cost: float = 0.3
+    drop_cost: float = 0.13  # docs/convergence.md: configs/paper.toml's model, 3 seeds, fit over ρ in [0.5, 1]
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:

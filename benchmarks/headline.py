@@ -1,0 +1,176 @@
+"""The headline: lrmoe's MoE time to target against the best exact system's, per memory cap,
+split into a steps ratio × a MoE-time-per-step ratio, over seeds.
+
+    lrmoe compare --config configs/paper.toml --set budget.memory_bytes=70_700_000 --seeds 0,1,2 \\
+        --systems static,static-recompute,symi,ultraep,llep,capacity,lrmoe --out runs/cap0.65
+    python benchmarks/headline.py --cap 0.65x=runs/cap0.65 --cap roomy=runs/roomy --out runs/headline
+
+Each ``--cap LABEL=FOLDER`` is one ``lrmoe compare --seeds`` output (its ``seed-<s>/results*.json``
+files, merged). Per cap and system: the seeds that reached the target, mean steps and MoE time to target
+and their spread. The best exact system at a cap is the exact one (every pair's gradient, no
+drop in the forward: static, static-recompute and the replication family) with the least mean
+MoE time to target over the seeds it reached in all of; ``--lrmoe`` names the lrmoe row
+compared (default ``lrmoe``), ``--dropping`` the forward-dropping one (``capacity``).
+
+Writes ``headline.json`` and ``headline.png`` (MoE time to target per cap, lrmoe against the best
+exact system and capacity, seeds as points); prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from lrmoe.systems import parse_system_name
+
+EXACT_BACKWARDS = ("full", "recompute")
+
+
+def is_exact(name: str) -> bool:
+    """Every pair's gradient and no drop in the forward (the reference's own run counts)."""
+    try:
+        spec = parse_system_name(name.removesuffix("-uncapped")).spec
+    except ValueError:
+        return False
+    return spec.backward.value in EXACT_BACKWARDS and not spec.forward_drop
+
+
+def per_seed(folder: Path) -> dict[int, dict[str, dict]]:
+    """{seed: {system: results.json's entry}} of one ``lrmoe compare --seeds`` output; a seed's
+    ``results*.json`` are merged (a later compare into the same folder with ``--resume`` and other
+    systems rewrites ``results.json``: keep the earlier one as ``results-<tag>.json``)."""
+    out: dict[int, dict[str, dict]] = {}
+    for sub in sorted(folder.glob("seed-*")):
+        merged = out.setdefault(int(sub.name.removeprefix("seed-")), {})
+        for path in sorted(sub.glob("results*.json")):
+            merged.update(json.loads(path.read_text())["systems"])
+    if not out:
+        raise SystemExit(f"{folder}: no seed-*/results.json (an lrmoe compare --seeds output)")
+    return out
+
+
+def summary(seeds: dict[int, dict[str, dict]], name: str) -> dict:
+    """Mean and spread of one system's steps and MoE time to target over the seeds it ran."""
+    rows = {s: doc[name] for s, doc in seeds.items() if name in doc}
+    reached = {s: r for s, r in rows.items() if r["status"] == "reached"}
+    steps = [r["steps_to_target"] for r in reached.values()]
+    times = [r["moe_time_to_target_s"] for r in reached.values()]
+
+    def spread(v: list[float]) -> dict:
+        return {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} if v else None
+
+    return {"seeds_run": sorted(rows), "seeds_reached": sorted(reached),
+            "statuses": {s: r["status"] for s, r in rows.items()},
+            "steps": spread(steps), "moe_time_s": spread(times),
+            "per_step_ms": spread([1e3 * t / n for t, n in zip(times, steps)]),
+            "mean_kept_ratio": statistics.fmean(r["mean_kept_ratio"] for r in rows.values()) if rows else None,
+            "per_seed": {s: {"steps": r["steps_to_target"], "moe_time_s": r["moe_time_to_target_s"],
+                             "kept": r["mean_kept_ratio"], "status": r["status"]} for s, r in rows.items()}}
+
+
+def compare_cap(seeds: dict[int, dict[str, dict]], lrmoe: str, dropping: str) -> dict:
+    names = sorted({n for doc in seeds.values() for n in doc})
+    systems = {n: summary(seeds, n) for n in names}
+    every = set(seeds)
+    exact = [n for n in names if is_exact(n) and set(systems[n]["seeds_reached"]) == every]
+    best = min(exact, key=lambda n: systems[n]["moe_time_s"]["mean"], default=None)
+    out = {"systems": systems, "best_exact": best, "exact_candidates": exact}
+    for label, other in (("vs_best_exact", best), ("vs_dropping", dropping)):
+        a, b = systems.get(lrmoe), systems.get(other) if other else None
+        if a and b and a["steps"] and b["steps"]:
+            time = a["moe_time_s"]["mean"] / b["moe_time_s"]["mean"]
+            steps = a["steps"]["mean"] / b["steps"]["mean"]
+            common = sorted(set(a["seeds_reached"]) & set(b["seeds_reached"]))
+            out[label] = {"system": other, "time_ratio": time, "steps_ratio": steps, "per_step_ratio": time / steps,
+                          "per_seed_time_ratio": {s: a["per_seed"][s]["moe_time_s"] / b["per_seed"][s]["moe_time_s"]
+                                                  for s in common}}
+    return out
+
+
+def table(doc: dict) -> str:
+    lines = ["| cap | system | seeds reached | steps to target (mean [min–max]) | MoE time to target s | "
+             "per step ms | kept |", "|---|---|---|---|---|---|---|"]
+    for cap, c in doc["caps"].items():
+        for name, r in c["systems"].items():
+            tag = " (best exact)" if name == c["best_exact"] else ""
+            if r["steps"]:
+                st, t = r["steps"], r["moe_time_s"]
+                steps = f"{st['mean']:.1f} [{st['min']}–{st['max']}]"
+                time = f"{t['mean']:.2f} [{t['min']:.2f}–{t['max']:.2f}]"
+                per = f"{r['per_step_ms']['mean']:.1f}"
+            else:
+                steps, time, per = "–", "–", "–"
+            lines.append(f"| {cap} | {name}{tag} | {len(r['seeds_reached'])}/{len(r['seeds_run'])} | {steps} | {time} "
+                         f"| {per} | {r['mean_kept_ratio']:.3f} |")
+    lines += ["", "| cap | lrmoe vs | MoE time to target | = steps × per step | per seed |", "|---|---|---|---|---|"]
+    for cap, c in doc["caps"].items():
+        for label in ("vs_best_exact", "vs_dropping"):
+            v = c.get(label)
+            if v:
+                seeds = ", ".join(f"{t:.3f}" for t in v["per_seed_time_ratio"].values())
+                lines.append(f"| {cap} | {v['system']} | {v['time_ratio']:.3f}× ({100 * (1 - v['time_ratio']):+.1f} %) "
+                             f"| {v['steps_ratio']:.3f} × {v['per_step_ratio']:.3f} | {seeds} |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path, lrmoe: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = list(doc["caps"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width = 0.27
+    for j, (role, color) in enumerate((("best exact", "tab:blue"), ("lrmoe", "tab:red"), ("capacity", "tab:gray"))):
+        for i, cap in enumerate(caps):
+            c = doc["caps"][cap]
+            name = {"best exact": c["best_exact"], "lrmoe": lrmoe, "capacity": doc["dropping"]}[role]
+            r = c["systems"].get(name) if name else None
+            if not r or not r["moe_time_s"]:
+                continue
+            x = i + (j - 1) * width
+            ax.bar(x, r["moe_time_s"]["mean"], width, color=color, alpha=0.6,
+                   label=role if i == 0 or role not in ax.get_legend_handles_labels()[1] else None)
+            ax.plot([x] * len(r["per_seed"]), [v["moe_time_s"] for v in r["per_seed"].values() if v["moe_time_s"]]
+                    + [None] * sum(1 for v in r["per_seed"].values() if not v["moe_time_s"]), "k.", ms=4)
+            if role != "best exact":
+                ax.text(x, 0, name if role == "capacity" else "", ha="center", va="bottom", fontsize=6, rotation=90)
+            else:
+                ax.text(x, r["moe_time_s"]["mean"], name, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(caps)), caps)
+    ax.set_xlabel("per-rank memory cap")
+    ax.set_ylabel("MoE time to target (s), mean of seeds")
+    ax.set_title("MoE time to the target loss (configs/paper.toml, 2 ranks)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cap", action="append", required=True, help="LABEL=FOLDER of an lrmoe compare --seeds output")
+    ap.add_argument("--lrmoe", default="lrmoe")
+    ap.add_argument("--dropping", default="capacity")
+    ap.add_argument("--out", default="runs/headline")
+    args = ap.parse_args()
+    caps = {}
+    for entry in args.cap:
+        label, sep, folder = entry.partition("=")
+        if not sep:
+            raise SystemExit(f"--cap {entry!r}: expected LABEL=FOLDER")
+        caps[label] = compare_cap(per_seed(Path(folder)), args.lrmoe, args.dropping)
+    doc = {"lrmoe": args.lrmoe, "dropping": args.dropping, "caps": caps}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "headline.json").write_text(json.dumps(doc, indent=2))
+    print(table(doc))
+    plot(doc, out / "headline.png", args.lrmoe)
+    print(f"wrote {out}/headline.json and headline.png")
+
+
+if __name__ == "__main__":
+    main()
