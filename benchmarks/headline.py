@@ -5,9 +5,9 @@ split into a steps ratio × a MoE-time-per-step ratio, over seeds.
         --systems static,static-recompute,symi,ultraep,llep,capacity,lrmoe --out runs/cap0.65
     python benchmarks/headline.py --cap 0.65x=runs/cap0.65 --cap roomy=runs/roomy --out runs/headline
 
-Each ``--cap LABEL=FOLDER`` is one ``lrmoe compare --seeds`` output (its ``seed-<s>/results*.json``
-files, merged). Per cap and system: the seeds that reached the target, mean steps and MoE time to target
-and their spread. The best exact system at a cap is the exact one (every pair's gradient, no
+Each ``--cap LABEL=FOLDER[,FOLDER...]`` names ``lrmoe compare --seeds`` outputs at one cap (every
+``seed-<s>/results*.json`` of them merged; a later folder's entry of a system wins). Per cap and
+system: the seeds that reached the target, mean steps and MoE time to target and their spread. The best exact system at a cap is the exact one (every pair's gradient, no
 drop in the forward: static, static-recompute and the replication family) with the least mean
 MoE time to target over the seeds it reached in all of; ``--lrmoe`` names the lrmoe row
 compared (default ``lrmoe``), ``--dropping`` the forward-dropping one (``capacity``).
@@ -37,17 +37,18 @@ def is_exact(name: str) -> bool:
     return spec.backward.value in EXACT_BACKWARDS and not spec.forward_drop
 
 
-def per_seed(folder: Path) -> dict[int, dict[str, dict]]:
+def per_seed(folders: list[Path]) -> dict[int, dict[str, dict]]:
     """{seed: {system: results.json's entry}} of one ``lrmoe compare --seeds`` output; a seed's
     ``results*.json`` are merged (a later compare into the same folder with ``--resume`` and other
     systems rewrites ``results.json``: keep the earlier one as ``results-<tag>.json``)."""
     out: dict[int, dict[str, dict]] = {}
-    for sub in sorted(folder.glob("seed-*")):
-        merged = out.setdefault(int(sub.name.removeprefix("seed-")), {})
-        for path in sorted(sub.glob("results*.json")):
-            merged.update(json.loads(path.read_text())["systems"])
+    for folder in folders:
+        for sub in sorted(folder.glob("seed-*")):
+            merged = out.setdefault(int(sub.name.removeprefix("seed-")), {})
+            for path in sorted(sub.glob("results*.json")):
+                merged.update(json.loads(path.read_text())["systems"])
     if not out:
-        raise SystemExit(f"{folder}: no seed-*/results.json (an lrmoe compare --seeds output)")
+        raise SystemExit(f"{', '.join(map(str, folders))}: no seed-*/results.json (lrmoe compare --seeds outputs)")
     return out
 
 
@@ -152,7 +153,8 @@ def plot(doc: dict, path: Path, lrmoe: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cap", action="append", required=True, help="LABEL=FOLDER of an lrmoe compare --seeds output")
+    ap.add_argument("--cap", action="append", required=True,
+                    help="LABEL=FOLDER[,FOLDER...]: lrmoe compare --seeds outputs at one cap")
     ap.add_argument("--lrmoe", default="lrmoe")
     ap.add_argument("--dropping", default="capacity")
     ap.add_argument("--out", default="runs/headline")
@@ -162,7 +164,7 @@ def main() -> None:
         label, sep, folder = entry.partition("=")
         if not sep:
             raise SystemExit(f"--cap {entry!r}: expected LABEL=FOLDER")
-        caps[label] = compare_cap(per_seed(Path(folder)), args.lrmoe, args.dropping)
+        caps[label] = compare_cap(per_seed([Path(f) for f in folder.split(",")]), args.lrmoe, args.dropping)
     doc = {"lrmoe": args.lrmoe, "dropping": args.dropping, "caps": caps}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
