@@ -7,9 +7,10 @@ split into a steps ratio × a MoE-time-per-step ratio, over seeds.
 
 Each ``--cap LABEL=FOLDER[,FOLDER...]`` names ``lrmoe compare --seeds`` outputs at one cap (every
 ``seed-<s>/results*.json`` of them merged; a later folder's entry of a system wins). Per cap and
-system: the seeds that reached the target, mean steps and MoE time to target and their spread. The best exact system at a cap is the exact one (every pair's gradient, no
-drop in the forward: static, static-recompute and the replication family) with the least mean
-MoE time to target over the seeds it reached in all of; ``--lrmoe`` names the lrmoe row
+system: the seeds that reached the target, mean steps and MoE time to target and their spread.
+The best exact system at a cap is the exact one (every pair's gradient, no drop in the forward:
+static, static-recompute and the replication family) with the least mean MoE time to target
+among those that reached it at every seed; ``--lrmoe`` names the lrmoe row
 compared (default ``lrmoe``), ``--dropping`` the forward-dropping one (``capacity``).
 
 Writes ``headline.json`` and ``headline.png`` (MoE time to target per cap, lrmoe against the best
