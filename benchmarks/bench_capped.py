@@ -44,6 +44,8 @@ SYSTEMS = {
     "ultraep": ("ultraep", None),
     "lrmoe": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=1.0)),
     "lrmoe@0.75": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=0.75)),
+    "llep": ("llep", None),
+    "lrmoe-time": ("lrmoe", BackwardConfig(selection="local-sampled", objective="time")),  # configs/paper.toml's
 }
 TIMES = ("fwd_ms", "bwd_ms", "step_end_ms", "step_ms")
 
