@@ -47,10 +47,10 @@ class BackwardPlan:
 def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     """The backward's plan of a training call from its forward ``plan`` (pure): the controller's
     kept capacities and quotas (trimmed further where the time objective predicts it pays), the
-    keep mode, and for a local selection this rank's strata and,
-    where a compacting backward keeps nothing, the min-peak assignment of its kept pairs — the
-    strata fix the kept counts per source from the plan alone, so that assignment is known now
-    (a global selection's depends on its scores: its backward assigns them)."""
+    keep mode, and for a local selection this rank's strata and, where a compacting backward
+    keeps nothing, the min-peak assignment of its kept pairs — the strata fix the kept counts per
+    source from the plan alone, so that assignment is known now (a global selection's depends on
+    its scores: its backward assigns them)."""
     spec = planner.spec
     if not spec.selective:  # an exact backward: what the forward's fit keeps, nothing else
         return BackwardPlan(keep=plan.keep)
