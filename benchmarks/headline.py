@@ -144,8 +144,8 @@ def plot(doc: dict, path: Path, lrmoe: str) -> None:
             x = i + (j - 1) * width
             ax.bar(x, r["moe_time_s"]["mean"], width, color=color, alpha=0.6,
                    label=role if i == 0 or role not in ax.get_legend_handles_labels()[1] else None)
-            ax.plot([x] * len(r["per_seed"]), [v["moe_time_s"] for v in r["per_seed"].values() if v["moe_time_s"]]
-                    + [None] * sum(1 for v in r["per_seed"].values() if not v["moe_time_s"]), "k.", ms=4)
+            seeds = [v["moe_time_s"] for v in r["per_seed"].values() if v["moe_time_s"] is not None]
+            ax.plot([x] * len(seeds), seeds, "k.", ms=4)
             label = name
             if role == "lrmoe" and c.get("vs_best_exact"):  # × the best exact system's = steps × per step
                 v = c["vs_best_exact"]

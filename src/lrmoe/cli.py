@@ -176,8 +176,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                           ratios=_floats("ratios", args.ratios), selection=args.selection,
                           lrmoe_slots=args.lrmoe_slots, zipf=args.zipf, seed=args.seed,
                           network_budget=args.network_budget or None, convergence=args.convergence,
-                          objective=BackwardConfig(objective=args.objective, drop_cost=args.drop_cost,
-                                                   min_ratio=args.min_ratio),
+                          backward=BackwardConfig(objective=args.objective, drop_cost=args.drop_cost,
+                                                  min_ratio=args.min_ratio),
                           planning=args.planning) for m in models]
         out = Path(args.out)
         project(cfgs, out, progress=not args.quiet)

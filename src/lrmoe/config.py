@@ -38,6 +38,11 @@ def positive_int(field: str, value: object) -> None:
         raise _bad(field, value, "expected an integer >= 1")
 
 
+def _is_number(value: object) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _fraction(field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise _bad(field, value, "expected a number in (0, 1]")
@@ -189,13 +194,12 @@ class BackwardConfig:
             raise _bad("seed", self.seed, "expected an integer")
         if self.keep is not None and self.keep not in KEEP_MODES:
             raise _bad("keep", self.keep, f"expected None or one of {KEEP_MODES}")
-        if self.balance is not None and (isinstance(self.balance, bool) or not isinstance(self.balance, (int, float))
-                                         or not self.balance >= 0):
+        if self.balance is not None and not (_is_number(self.balance) and self.balance >= 0):
             raise _bad("balance", self.balance, "expected None or a number >= 0 (the overload over the mean allowed)")
         _fraction("min_ratio", self.min_ratio)
         if self.objective not in OBJECTIVES:
             raise _bad("objective", self.objective, f"expected one of {OBJECTIVES}")
-        if isinstance(self.drop_cost, bool) or not isinstance(self.drop_cost, (int, float)) or not self.drop_cost >= 0:
+        if not (_is_number(self.drop_cost) and self.drop_cost >= 0):
             raise _bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
 
     @property
@@ -253,8 +257,7 @@ class ClusterBudget:
             else:
                 _per_rank(name, value, 1, minimum)
         if self.network_fraction is not None:
-            if isinstance(self.network_fraction, bool) or not isinstance(self.network_fraction, (int, float)) \
-                    or not self.network_fraction > 0:
+            if not (_is_number(self.network_fraction) and self.network_fraction > 0):
                 raise _bad("network_fraction", self.network_fraction, "expected a number > 0 (of a balanced "
                            "rank's keep-nothing backward bytes)")
             if self.network_bytes is not None:

@@ -377,7 +377,7 @@ def test_the_time_objective_trims_where_dropping_costs_no_steps():
 
     def kept(objective: BackwardConfig) -> float:
         planner = SystemPlanner("lrmoe", spec.moe_config(), W, memory_bytes=40 * 2**30, selection="local-sampled",
-                                objective=objective)
+                                backward=objective)
         call = planner.call(counts[0, 0], 2)
         return call.kept_pairs / call.total_pairs
 

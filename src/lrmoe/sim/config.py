@@ -44,7 +44,7 @@ class SimConfig:
     selection: str = "local-sampled"
     lrmoe_slots: str = LRMOE_SLOTS_SEARCH  # or LRMOE_SLOTS_FIXED: the replicated baseline's default count
     network_budget: float | None = 1.0  # × a balanced rank's keep-nothing backward bytes; None: no network budget
-    objective: BackwardConfig = field(default_factory=BackwardConfig)  # lrmoe's objective, drop_cost, min_ratio
+    backward: BackwardConfig = field(default_factory=BackwardConfig)  # lrmoe's objective, drop_cost, min_ratio
     optimizer_bytes_per_param: float = 12.0
     zipf: float = 0.3
     drift: int = 4

@@ -95,7 +95,7 @@ class SystemPlanner:
     capacity_factor: float = 1.25
     selection: str = "lrm"  # BackwardConfig.selection (the CPU calibration's layers use lrm)
     network_bytes: int | None = None  # per-rank backward network budget (ClusterBudget.network_bytes)
-    objective: BackwardConfig | None = None  # the time objective's settings (objective, drop_cost, min_ratio)
+    backward: BackwardConfig | None = None  # the rest of BackwardConfig (objective, drop_cost, min_ratio)
     link_gbps: float | None = None  # inter-node link, for the planner's cost model (replica search)
     reference: PlanningReference | None = None  # host planning costs (default: the shipped reference)
     planner: LayerPlanner = field(init=False)
@@ -109,7 +109,7 @@ class SystemPlanner:
                                    slots=self.slots, inter_node_gbps=self.link_gbps)
         try:
             self.planner = LayerPlanner(spec, self.config, self.world, budget=budget,
-                                        backward=replace(self.objective or BackwardConfig(),
+                                        backward=replace(self.backward or BackwardConfig(),
                                                          selection=self.selection, ratio=self.ratio),
                                         capacity_factor=self.capacity_factor)
         except ValueError as e:

@@ -75,7 +75,7 @@ def lrmoe_at_cap(proj: Projection, cap: int, ratio: float) -> tuple[list[list[La
     cfg = proj.cfg
     fixed = default_slots(proj) if cfg.lrmoe_slots == LRMOE_SLOTS_FIXED else None
     kw = dict(ratio=ratio, slots=fixed, selection=cfg.selection, network_bytes=cfg.network_bytes,
-              link_gbps=cfg.link_gbps, objective=cfg.objective)
+              link_gbps=cfg.link_gbps, backward=cfg.backward)
     return budgeted_at_cap(proj, TRIMMING_SYSTEM, cap, kw)
 
 
