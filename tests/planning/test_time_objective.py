@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
-from lrmoe.config import KEEP_X, KEEP_X_ACTS
+from lrmoe.config import KEEP_NOTHING, KEEP_X, KEEP_X_ACTS
 from lrmoe.parallel import comm
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
-from lrmoe.planning.time_objective import call_work, candidate_ratios, fastest_quotas
+from lrmoe.planning.time_objective import call_work, candidate_ratios, fastest_quotas, keep_modes
 from tests.helpers.layer import QWEN, equals_kept_reference, make_problem, split_tokens
 from tests.helpers.pool import RankPool
 
@@ -108,3 +108,24 @@ def test_a_layer_keeps_what_the_time_objective_planned(pool):
     (kept, pairs), _ = pool.run(2, time_case)
     assert kept < pairs
 
+
+
+def test_keep_modes_ask_only_at_the_ends_of_each_run_and_match_asking_every_candidate():
+    """The keep mode can only get richer as the candidates keep fewer pairs: bisection finds
+    every run's ends, and a call whose candidates all allow one mode asks twice."""
+    candidates = [fixed_ratio_quota(COUNTS_E, r) for r in candidate_ratios(0.5)]
+    asked = []
+
+    def by_room(q_E):
+        asked.append(int(q_E.sum()))
+        kept = int(q_E[:4].sum())
+        return KEEP_X_ACTS if kept <= 300 else KEEP_X if kept <= 420 else KEEP_NOTHING
+
+    every = [by_room(q) for q in candidates]
+    asked.clear()
+    assert keep_modes(candidates, by_room) == every
+    assert len(asked) < len(candidates)
+    asked.clear()
+    assert keep_modes(candidates, lambda q: by_room(q) and KEEP_X) == [KEEP_X] * len(candidates)
+    assert len(asked) == 2, "one mode throughout: the two ends only"
+    assert keep_modes(candidates[:1], by_room) == every[:1]

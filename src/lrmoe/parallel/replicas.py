@@ -9,8 +9,6 @@ backward of the layer call that produced it. One expert travels as one row of 3�
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -19,10 +17,11 @@ from lrmoe.parallel.comm import Group, WireCounter
 from lrmoe.planning.placement import Placement
 
 
-def _flat(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    n = gate_up.shape[0]
-    return torch.cat([gate_up.reshape(n, math.prod(gate_up.shape[1:])),
-                      down.reshape(n, math.prod(down.shape[1:]))], dim=1)
+def _flat(gate_up: torch.Tensor, down: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """Experts ``idx`` of the set as rows of 3·D·F values (gate_up then down): only the rows that
+    travel are copied, not the whole set first."""
+    at = torch.tensor(idx, dtype=torch.long, device=gate_up.device)
+    return torch.cat([gate_up.index_select(0, at).flatten(1), down.index_select(0, at).flatten(1)], dim=1)
 
 
 class Replicas(nn.Module):
@@ -36,8 +35,9 @@ class Replicas(nn.Module):
         self.experts: tuple[int, ...] = ()
 
     def _unflat(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the (n, 2F, D) and (n, D, F) halves of rows of 3·D·F values."""
         n, D, F = rows.shape[0], self.dim, self.ffn_dim
-        return rows[:, : 2 * F * D].reshape(n, 2 * F, D), rows[:, 2 * F * D :].reshape(n, D, F)
+        return rows[:, : 2 * F * D].view(n, 2 * F, D), rows[:, 2 * F * D :].view(n, D, F)
 
     @torch.no_grad()
     def refresh(self, gate_up: torch.Tensor, down: torch.Tensor, placement: Placement, rank: int,
@@ -47,16 +47,16 @@ class Replicas(nn.Module):
         W = placement.world
         owned = placement.owned(rank)
         sends = [[e for e in placement.replicas(d) if int(placement.owner_E[e]) == rank] for d in range(W)]
-        rows = [owned.index(e) for d in range(W) for e in sends[d]]
-        send = _flat(gate_up, down)[rows]
+        send = _flat(gate_up, down, [owned.index(e) for d in range(W) for e in sends[d]])
         mine = placement.replicas(rank)
         by_source = [[e for e in mine if int(placement.owner_E[e]) == s] for s in range(W)]
         wire = WireCounter()
         recv = comm.all_to_all(send, [len(s) for s in sends], [len(s) for s in by_source], group, wire)
-        order = [mine.index(e) for s in range(W) for e in by_source[s]]
-        flat = torch.empty_like(recv)
-        flat[order] = recv
-        self.gate_up_proj, self.down_proj = (t.contiguous() for t in self._unflat(flat))
+        slot = torch.tensor([mine.index(e) for s in range(W) for e in by_source[s]], dtype=torch.long,
+                            device=recv.device)  # each received row's replica slot
+        recv_gu, recv_down = self._unflat(recv)
+        self.gate_up_proj = recv_gu.new_empty(recv_gu.shape).index_copy_(0, slot, recv_gu)
+        self.down_proj = recv_down.new_empty(recv_down.shape).index_copy_(0, slot, recv_down)
         self.experts = mine
         return wire.sent
 
@@ -71,19 +71,23 @@ class Replicas(nn.Module):
     def reduce_grads(
         self, dgate_up: torch.Tensor, ddown: torch.Tensor, placement: Placement, rank: int, group: Group,
         wire: WireCounter,
+        into: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send replica-slot gradients to owners; return the gradients this rank's owned experts
-        receive from others' replicas (zeros where none), shaped like the owned weights."""
+        """Send replica-slot gradients to owners, and add the gradients this rank's owned experts
+        receive from others' replicas into ``into`` (the owned experts' gradients, in place: only
+        the experts that have replicas are touched). Returns ``into``."""
         W = placement.world
         mine = placement.replicas(rank)
         to_owner = [[e for e in mine if int(placement.owner_E[e]) == d] for d in range(W)]
-        rows = [mine.index(e) for d in range(W) for e in to_owner[d]]
-        send = _flat(dgate_up, ddown)[rows]
+        send = _flat(dgate_up, ddown, [mine.index(e) for d in range(W) for e in to_owner[d]])
         owned = placement.owned(rank)
         from_src = [[e for e in placement.replicas(s) if int(placement.owner_E[e]) == rank] for s in range(W)]
         recv = comm.all_to_all(send, [len(x) for x in to_owner], [len(x) for x in from_src], group, wire)
-        acc = recv.new_zeros(len(owned), recv.shape[1])
-        idx = torch.tensor([owned.index(e) for s in range(W) for e in from_src[s]], dtype=torch.long)
-        if len(idx):
-            acc.index_add_(0, idx.to(acc.device), recv)
-        return self._unflat(acc)
+        own_gu, own_down = into
+        if len(recv):
+            idx = torch.tensor([owned.index(e) for s in range(W) for e in from_src[s]], dtype=torch.long,
+                               device=recv.device)
+            recv_gu, recv_down = self._unflat(recv)
+            own_gu.index_add_(0, idx, recv_gu)
+            own_down.index_add_(0, idx, recv_down)
+        return own_gu, own_down

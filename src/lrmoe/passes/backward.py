@@ -65,9 +65,8 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, dd
     elif plan.placement.num_copies > plan.placement.num_experts:  # replica gradients go to owners
         (own_gu, rep_gu), (own_down, rep_down) = _by_set(dgate_up, owned), _by_set(ddown, owned)
         meter.hold(rep_gu, rep_down)  # the send buffer
-        add_gu, add_down = layer.replicas.reduce_grads(rep_gu, rep_down, plan.placement, layer.rank,
-                                                       channel.group, channel.wire)
-        dgate_up, ddown = own_gu.add_(add_gu), own_down.add_(add_down)
+        dgate_up, ddown = layer.replicas.reduce_grads(rep_gu, rep_down, plan.placement, layer.rank,
+                                                      channel.group, channel.wire, into=(own_gu, own_down))
     return dx_TD, dgate_up, ddown
 
 

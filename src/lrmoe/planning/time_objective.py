@@ -62,14 +62,13 @@ def fastest_quotas(counts_E: torch.Tensor, rows_ER: torch.Tensor, quota_E: torch
     (what memory, the network and the ratio allow) capped at a ratio of ``counts_E``;
     ``keep_of``: the keep mode a candidate's quotas leave room for."""
     total = float(counts_E.sum())
-    best: tuple[float, torch.Tensor, str] | None = None
-    last = None
+    candidates: list[torch.Tensor] = []
     for ratio in candidate_ratios(cfg.min_ratio):
         q_E = torch.minimum(quota_E, fixed_ratio_quota(counts_E, ratio))
-        if last is not None and torch.equal(q_E, last):
-            continue
-        last = q_E
-        keep = keep_of(q_E)
+        if not candidates or not torch.equal(q_E, candidates[-1]):
+            candidates.append(q_E)
+    best: tuple[float, torch.Tensor, str] | None = None
+    for q_E, keep in zip(candidates, keep_modes(candidates, keep_of)):
         dropped = 1.0 - float(q_E.sum()) / total if total else 0.0
         predicted = (1.0 + cfg.drop_cost * dropped) * call_work(rows_ER, q_E, keep)
         if best is None or predicted < best[0] * (1 - 1e-9):
@@ -78,5 +77,27 @@ def fastest_quotas(counts_E: torch.Tensor, rows_ER: torch.Tensor, quota_E: torch
     return best[1], best[2]
 
 
+def keep_modes(candidates: list[torch.Tensor], keep_of: Callable[[torch.Tensor], str]) -> list[str]:
+    """``keep_of`` of every candidate, asked only at the ends of each run of equal modes (found by
+    bisection): each candidate keeps at most the pairs of the one before it, expert by expert,
+    so it never leaves less room for what the expert side keeps — the mode can only get richer
+    along the list. A call whose candidates all allow one mode asks twice, not once per ratio."""
+    modes: list[str | None] = [None] * len(candidates)
+
+    def fill(lo: int, hi: int) -> None:  # modes[lo] and modes[hi] known
+        if modes[lo] == modes[hi]:
+            modes[lo + 1 : hi] = [modes[lo]] * (hi - lo - 1)
+        elif hi - lo > 1:
+            mid = (lo + hi) // 2
+            modes[mid] = keep_of(candidates[mid])
+            fill(lo, mid)
+            fill(mid, hi)
+
+    modes[0] = keep_of(candidates[0])
+    modes[-1] = keep_of(candidates[-1]) if len(candidates) > 1 else modes[0]
+    fill(0, len(candidates) - 1)
+    return modes  # type: ignore[return-value]
+
+
 __all__ = ["BACKWARD_PASSES", "FIXED_PASSES", "FORWARD_PASSES", "RATIO_STEP", "call_work", "candidate_ratios",
-           "fastest_quotas"]
+           "fastest_quotas", "keep_modes"]
