@@ -9,18 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig
+from lrmoe import ClusterBudget, MemoryBudgetExceeded, MoEConfig
 from lrmoe.memory.bytes import ByteModel
 
 
-def _lrmoe_planner(cap: int, link_gbps: float | None = None, dim: int = 64, ffn: int = 128,
-                   backward: BackwardConfig | None = None):
+def _lrmoe_planner(cap: int, link_gbps: float | None = None, dim: int = 64, ffn: int = 128):
     from lrmoe.planning.planner import LayerPlanner
     from lrmoe.systems import spec_of
 
     cfg = MoEConfig(dim=dim, ffn_dim=ffn, num_experts=8, top_k=2)
-    return LayerPlanner(spec_of("lrmoe"), cfg, 2, backward=backward,
-                        budget=ClusterBudget(cap, inter_node_gbps=link_gbps))
+    return LayerPlanner(spec_of("lrmoe"), cfg, 2, budget=ClusterBudget(cap, inter_node_gbps=link_gbps))
 
 
 def test_replica_candidates():
@@ -149,50 +147,6 @@ def test_bounded_search_chooses_what_scoring_every_plan_chooses(monkeypatch, in_
     assert bounded == every
     assert len(set(every)) > 1, "the loads move the choice"
     assert bounded_scored < every_scored
-
-
-@pytest.mark.parametrize("cap", [50_000_000, _BINDING])
-def test_under_the_time_objective_the_bounds_change_no_choice(monkeypatch, cap):
-    """With the time objective each plan is scored by the rows the objective keeps on it: the
-    bound on a plan left unscored takes the objective's floor, so the search still chooses what
-    scoring every plan chooses."""
-    import lrmoe.planning.replica_search as rs
-
-    g = torch.Generator().manual_seed(3)
-    loads = [torch.tensor([[400, 200, 10, 10, 10, 10, 10, 10]] * 2)]
-    loads += [(torch.rand(2, 8, generator=g) ** 4 * 300).long() + 1 for _ in range(6)]
-    time = BackwardConfig(objective="time", drop_cost=0.1)
-
-    def planner():
-        p = _lrmoe_planner(cap, 50.0, backward=time)
-        p.default_slots_R = [8, 8]
-        assert p.search.trim is not None
-        return p
-
-    bounded, bounded_scored = _choices(planner(), loads, False)
-    monkeypatch.setattr(rs._Trials, "_beaten", lambda self, bound, best: False)
-    every, every_scored = _choices(planner(), loads, False)
-    assert bounded == every
-    assert bounded_scored <= every_scored
-
-
-def test_a_plan_under_the_time_objective_is_timed_by_the_rows_it_keeps():
-    """A plan's score keeps what memory allows (the plans' eligibility) and times the rows the
-    objective keeps, times the steps trimming costs."""
-    from lrmoe.planning.replica_search import Trim
-
-    planner = _lrmoe_planner(50_000_000, 50.0)
-    search, counts_SE = planner.search, torch.tensor([[300, 100, 60, 40, 100, 100, 100, 100]] * 2)
-    exact = search.score(planner.base, counts_SE, 0)
-    search.trim = Trim(lambda c, p, a, ch, q: (q + 1) // 2, floor=0.5, drop_cost=0.2)
-    halved = search.score(planner.base, counts_SE, 0)
-    assert halved.kept == exact.kept == int(counts_SE.sum())
-    rows_ER = planner.assign(counts_SE, planner.base, None).rows_ER()
-    half_E = (counts_SE.sum(0) + 1) // 2
-    fwd, bwd = int(rows_ER.sum(0).max()), int(torch.minimum(rows_ER, half_E.view(-1, 1)).sum(0).max())
-    kept = int(half_E.sum())
-    assert halved.time == pytest.approx((1 + 0.2 * (1 - kept / int(counts_SE.sum()))) * search.time(fwd, bwd, 0))
-    assert halved.time < exact.time
 
 
 def test_the_walk_counts_fewer_planner_calls():

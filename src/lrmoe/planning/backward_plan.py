@@ -25,7 +25,6 @@ from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
-from lrmoe.planning.replica_search import Trim
 from lrmoe.planning.time_objective import fastest_quotas
 from lrmoe.selection.strata import StrataCounts, plan_strata
 
@@ -81,39 +80,12 @@ def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, 
            rows: PairAssignment | None = None) -> torch.Tensor:
     """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone
     (``rows``: the forward's assignment, which spares the solve where it keeps every pair)."""
-    memory_E = counts_E.to(torch.long) if planner.controller is None else \
-        planner.controller.quotas(counts_E, placement, cap_R, rows)
-    return capped(planner, counts_E, placement, memory_E)
-
-
-def capped(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, memory_E: torch.Tensor
-           ) -> torch.Tensor:
-    """``memory_E`` (what the budgets allow) capped by the configured ratio and, where set, by
-    demand-side balance."""
-    quota_E = torch.minimum(fixed_ratio_quota(counts_E, planner.backward.ratio), memory_E)
+    quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio)
+    if planner.controller is not None:
+        quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
     if planner.backward.balance is not None:
         quota_E = torch.minimum(quota_E, demand_balanced(counts_E, placement, planner.backward))
     return quota_E
-
-
-def time_trim(planner: LayerPlanner) -> Trim | None:
-    """The time objective as lrmoe's replica search sees it: on each plan it scores, the quotas
-    the backward will keep there (None: the memory objective, or a backward that does not
-    compact, whose replicas are scored by what memory lets them keep)."""
-    cfg = planner.backward
-    if not (planner.spec.compacts and cfg.objective == "time"):
-        return None
-
-    def kept(counts_E: torch.Tensor, placement: Placement, assignment: PairAssignment, chunk_R: list[int],
-             memory_E: torch.Tensor) -> torch.Tensor:
-        def keep_of(q_E: torch.Tensor) -> str:
-            return planner._keep_mode(placement, assignment, chunk_R, q_E)
-
-        return fastest_quotas(counts_E, assignment.rows_ER(), capped(planner, counts_E, placement, memory_E),
-                              keep_of, cfg)[0]
-
-    # every candidate keeps at least min_ratio of the capped quotas, which keep at least ratio of memory's
-    return Trim(kept, floor=cfg.min_ratio * min(cfg.ratio, 1.0), drop_cost=cfg.drop_cost)
 
 
 def demand_balanced(counts_E: torch.Tensor, placement: Placement, cfg: BackwardConfig) -> torch.Tensor:
@@ -133,4 +105,4 @@ def demand_balanced(counts_E: torch.Tensor, placement: Placement, cfg: BackwardC
     return torch.maximum(balanced_E, fixed_ratio_quota(counts_E, cfg.min_ratio))
 
 
-__all__ = ["BackwardPlan", "capped", "demand_balanced", "plan_backward", "quotas", "time_trim"]
+__all__ = ["BackwardPlan", "demand_balanced", "plan_backward", "quotas"]

@@ -27,7 +27,7 @@ from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.memory.bytes import ByteModel, in_rounds
 from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.assignment import PairAssignment
-from lrmoe.planning.backward_plan import BackwardPlan, plan_backward, time_trim
+from lrmoe.planning.backward_plan import BackwardPlan, plan_backward
 from lrmoe.planning.call_plan import CallPlan
 from lrmoe.planning.cap_fit import CapFitter, first_that_fits
 from lrmoe.planning.controller import Controller
@@ -80,8 +80,7 @@ class LayerPlanner:
             self.fitter.check_owned()
         self.fitters = [] if self.fitter is None else self.fitter.with_fallbacks()  # richest keep first
         self.search = None if self.controller is None else ReplicaCountSearch(
-            self.base, self.controller, self.costs, self.bytes.slot_params, replan_interval, self.assign,
-            trim=time_trim(self))
+            self.base, self.controller, self.costs, self.bytes.slot_params, replan_interval, self.assign)
         if self.keeps_replicas:
             self._replan()
 

@@ -32,19 +32,6 @@ from lrmoe.planning.placement import Placement, plan_replicas
 KEPT_SHARE = 0.99  # plans keeping at least this share of the most kept pairs compete on time
 
 
-
-@dataclass(frozen=True)
-class Trim:
-    """The controller's time objective seen by the search: ``quotas(counts_E, placement, forward
-    assignment, forward chunk rows, memory quotas)`` gives the quotas the backward will keep on a
-    plan, never below ``floor`` × the memory quotas; a plan's predicted time is then its kept
-    rows' and multiplied by the steps it costs, 1 + ``drop_cost`` × the share of pairs dropped."""
-
-    quotas: Callable[[torch.Tensor, Placement, PairAssignment, list[int], torch.Tensor], torch.Tensor]
-    floor: float
-    drop_cost: float
-
-
 def replica_candidates(most: int) -> list[int]:
     """Extra slots per rank a cost search tries: 0..3, then powers of two and their 1.5×, up to
     ``most`` (a few plans to score at any scale, dense where one replica matters most)."""
@@ -70,13 +57,12 @@ class ReplicaCountSearch:
     chose. Before any call: owned experts only."""
 
     def __init__(self, base: Placement, controller: Controller, costs: CostModel, slot_param_bytes: int,
-                 interval: int, assign: Callable[[torch.Tensor, Placement, list[int] | None], PairAssignment],
-                 trim: Trim | None = None) -> None:
+                 interval: int, assign: Callable[[torch.Tensor, Placement, list[int] | None], PairAssignment]
+                 ) -> None:
         self.base, self.controller, self.costs = base, controller, costs
         self.slot_param_bytes = slot_param_bytes
         self.interval = interval
         self.assign = assign
-        self.trim = trim
         self.k: int | None = None  # the extra slots the last search chose
 
     @property
@@ -123,19 +109,15 @@ class ReplicaCountSearch:
         """Plan k scored, or None where its forward does not fit. Its forward assignment is the
         quota solve's certificate where every rank's rows fit its kept capacity."""
         try:
-            assignment, chunk_R = self.controller.fit_forward(counts_SE, placement,
-                                                              self.assign(counts_SE, placement, None), self.assign)
+            assignment, _ = self.controller.fit_forward(counts_SE, placement, self.assign(counts_SE, placement, None),
+                                                        self.assign)
             quota_E = self.controller.quotas(counts_SE.sum(0), placement, rows=assignment)
         except MemoryBudgetExceeded:
             return None
-        kept, steps = int(quota_E.sum()), 1.0  # plans compete on what memory lets them keep
-        if self.trim is not None:  # and on time with what the time objective will keep on them
-            quota_E = self.trim.quotas(counts_SE.sum(0), placement, assignment, chunk_R, quota_E)
-            steps += self.trim.drop_cost * (1.0 - float(quota_E.sum()) / max(float(counts_SE.sum()), 1.0))
         rows_ER = assignment.rows_ER()
         fwd, bwd = rows_ER.sum(0).max(), torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).max()
         replicas = placement.num_copies - self.base.num_experts
-        return _Scored(kept, steps * self.time(int(fwd), int(bwd), replicas), replicas, placement, k)
+        return _Scored(int(quota_E.sum()), self.time(int(fwd), int(bwd), replicas), replicas, placement, k)
 
     @staticmethod
     def _best(scored: list[_Scored]) -> _Scored:
@@ -252,8 +234,6 @@ class _Trials:
         if best.kept < KEPT_SHARE * max(most, bound.kept):
             return False
         bwd = -(-max(bound.least, math.ceil(KEPT_SHARE * most)) // bound.placement.world)
-        if self.search.trim is not None:  # the time objective keeps at least its floor of that
-            bwd = math.floor(self.search.trim.floor * bwd)
         return (best.time, best.replicas) < (self.search.time(bound.fwd, bwd, bound.replicas), bound.replicas)
 
     def _kept_bounds(self, placement: Placement) -> tuple[int, int]:
