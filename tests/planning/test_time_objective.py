@@ -109,7 +109,6 @@ def test_a_layer_keeps_what_the_time_objective_planned(pool):
     assert kept < pairs
 
 
-
 def test_keep_modes_ask_only_at_the_ends_of_each_run_and_match_asking_every_candidate():
     """The keep mode can only get richer as the candidates keep fewer pairs: bisection finds
     every run's ends, and a call whose candidates all allow one mode asks twice."""
@@ -122,10 +121,16 @@ def test_keep_modes_ask_only_at_the_ends_of_each_run_and_match_asking_every_cand
         return KEEP_X_ACTS if kept <= 300 else KEEP_X if kept <= 420 else KEEP_NOTHING
 
     every = [by_room(q) for q in candidates]
+    assert set(every) == {KEEP_NOTHING, KEEP_X, KEEP_X_ACTS}, "three runs of modes along the ratios"
     asked.clear()
     assert keep_modes(candidates, by_room) == every
     assert len(asked) < len(candidates)
+
+    def x_alone(q_E):
+        asked.append(int(q_E.sum()))
+        return KEEP_X
+
     asked.clear()
-    assert keep_modes(candidates, lambda q: by_room(q) and KEEP_X) == [KEEP_X] * len(candidates)
+    assert keep_modes(candidates, x_alone) == [KEEP_X] * len(candidates)
     assert len(asked) == 2, "one mode throughout: the two ends only"
     assert keep_modes(candidates[:1], by_room) == every[:1]
