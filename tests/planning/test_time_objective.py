@@ -134,3 +134,29 @@ def test_keep_modes_ask_only_at_the_ends_of_each_run_and_match_asking_every_cand
     assert keep_modes(candidates, x_alone) == [KEEP_X] * len(candidates)
     assert len(asked) == 2, "one mode throughout: the two ends only"
     assert keep_modes(candidates[:1], by_room) == every[:1]
+
+
+@pytest.mark.parametrize("kept_rows", [400, 800])
+def test_the_planners_keep_mode_only_gets_richer_along_the_candidates(kept_rows):
+    """What the bisection rests on, for the real peak model: under a binding cap the planner's
+    keep mode changes along the ratios (nothing → x, or x → x+acts) and never back, so the
+    bisected modes are the ones asking every candidate gives."""
+    from lrmoe import ClusterBudget
+    from lrmoe.memory.bytes import ByteModel
+    from lrmoe.planning.planner import LayerPlanner
+    from lrmoe.systems import spec_of
+
+    cfg = MoEConfig(dim=64, ffn_dim=128, num_experts=8, top_k=2)
+    bm = ByteModel.of(cfg, True)
+    planner = LayerPlanner(spec_of("lrmoe"), cfg, 2,
+                           budget=ClusterBudget(4 * bm.slot + 1000 * bm.fwd_io + kept_rows * bm.bwd_kept))
+    counts_SE = torch.stack([COUNTS_E, COUNTS_E])
+    plan = planner.plan_call(counts_SE)
+    candidates = [fixed_ratio_quota(counts_SE.sum(0), r) for r in candidate_ratios(0.3)]
+
+    def keep_of(q_E):
+        return planner._keep_mode(plan.placement, plan.assignment, plan.chunk_rows_R, q_E)
+
+    every = [keep_of(q) for q in candidates]
+    assert len(set(every)) == 2, "the cap makes the mode change along the ratios"
+    assert keep_modes(candidates, keep_of) == every

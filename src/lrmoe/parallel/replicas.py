@@ -17,11 +17,14 @@ from lrmoe.parallel.comm import Group, WireCounter
 from lrmoe.planning.placement import Placement
 
 
-def _flat(gate_up: torch.Tensor, down: torch.Tensor, idx: list[int]) -> torch.Tensor:
-    """Experts ``idx`` of the set as rows of 3·D·F values (gate_up then down): only the rows that
-    travel are copied, not the whole set first."""
-    at = torch.tensor(idx, dtype=torch.long, device=gate_up.device)
-    return torch.cat([gate_up.index_select(0, at).flatten(1), down.index_select(0, at).flatten(1)], dim=1)
+def flat_rows(gate_up: torch.Tensor, down: torch.Tensor, idx: list[int] | None = None) -> torch.Tensor:
+    """Experts ``idx`` of a set (all of them: None) as rows of 3·D·F values (gate_up then down),
+    the way experts travel: only the rows that travel are copied, in ``idx``'s order (repeats
+    allowed), not the whole set first."""
+    if idx is not None:
+        at = torch.tensor(idx, dtype=torch.long, device=gate_up.device)
+        gate_up, down = gate_up.index_select(0, at), down.index_select(0, at)
+    return torch.cat([gate_up.flatten(1), down.flatten(1)], dim=1)
 
 
 class Replicas(nn.Module):
@@ -47,7 +50,7 @@ class Replicas(nn.Module):
         W = placement.world
         owned = placement.owned(rank)
         sends = [[e for e in placement.replicas(d) if int(placement.owner_E[e]) == rank] for d in range(W)]
-        send = _flat(gate_up, down, [owned.index(e) for d in range(W) for e in sends[d]])
+        send = flat_rows(gate_up, down, [owned.index(e) for d in range(W) for e in sends[d]])
         mine = placement.replicas(rank)
         by_source = [[e for e in mine if int(placement.owner_E[e]) == s] for s in range(W)]
         wire = WireCounter()
@@ -79,7 +82,7 @@ class Replicas(nn.Module):
         W = placement.world
         mine = placement.replicas(rank)
         to_owner = [[e for e in mine if int(placement.owner_E[e]) == d] for d in range(W)]
-        send = _flat(dgate_up, ddown, [mine.index(e) for d in range(W) for e in to_owner[d]])
+        send = flat_rows(dgate_up, ddown, [mine.index(e) for d in range(W) for e in to_owner[d]])
         owned = placement.owned(rank)
         from_src = [[e for e in placement.replicas(s) if int(placement.owner_E[e]) == rank] for s in range(W)]
         recv = comm.all_to_all(send, [len(x) for x in to_owner], [len(x) for x in from_src], group, wire)

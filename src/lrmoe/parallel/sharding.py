@@ -16,6 +16,7 @@ import torch
 
 from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Group, WireCounter
+from lrmoe.parallel.replicas import flat_rows
 from lrmoe.planning.placement import Placement
 from lrmoe.systems import PlacementKind, names_where
 
@@ -35,11 +36,6 @@ def shard_full(gate_up_EXD: torch.Tensor, down_EDF: torch.Tensor, rank: int, wor
     lo, hi = rank * f, (rank + 1) * f
     gate_up = torch.cat([gate_up_EXD[:, lo:hi], gate_up_EXD[:, F + lo : F + hi]], dim=1)
     return gate_up.contiguous(), down_EDF[:, :, lo:hi].contiguous()
-
-
-def _flat(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    n = gate_up.shape[0]
-    return torch.cat([gate_up.reshape(n, -1), down.reshape(n, -1)], dim=1)
 
 
 def _unshard(rows_WLX: torch.Tensor, D: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +62,7 @@ def assemble(gate_up_s: torch.Tensor, down_s: torch.Tensor, placement: Placement
     rank's slices. ``wire`` counts the slice bytes."""
     W = placement.world
     mine = list(placement.slots[rank])
-    send = _flat(gate_up_s, down_s)[[e for d in range(W) for e in placement.slots[d]]]
+    send = flat_rows(gate_up_s, down_s, [e for d in range(W) for e in placement.slots[d]])
     recv = comm.all_to_all(send, [len(placement.slots[d]) for d in range(W)], [len(mine)] * W, group, wire)
     return _unshard(recv.view(W, len(mine), -1), gate_up_s.shape[2], down_s.shape[2])
 
@@ -90,5 +86,5 @@ def reduce_grads(dgate_up_LXD: torch.Tensor, ddown_LDF: torch.Tensor, placement:
 def gather_full(gate_up_s: torch.Tensor, down_s: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective: the full (E, 2F, D), (E, D, F) expert tensors on every rank."""
     W, E = comm.world_size(group), gate_up_s.shape[0]
-    rows = comm.all_gather(_flat(gate_up_s, down_s), [E] * W, group)
+    rows = comm.all_gather(flat_rows(gate_up_s, down_s), [E] * W, group)
     return _unshard(rows.view(W, E, -1), gate_up_s.shape[2], down_s.shape[2])
