@@ -8,6 +8,7 @@ rows of one run, never absolute numbers across runs.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -74,14 +75,30 @@ def write_json(path: str | None, rows: dict) -> None:
 
 
 def _rank_worker(rank: int, world: int, port: int, fn, args, queue) -> None:
+    import sys
+    import traceback
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    code = 0
     try:
         queue.put((rank, fn(dist.group.WORLD, args)))
         dist.barrier()  # every rank done with its collectives before any tears the group down
+    except BaseException:  # noqa: BLE001 - printed here; the parent sees the exit code
+        traceback.print_exc()
+        queue.put((rank, None))  # so the parent does not wait for this rank's result
+        code = 1
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown, as the test pool's ranks do: gloo's threads can
+    # abort it ("terminate called without an active exception", exit -6) after the result is
+    # in; what this rank still had to say is flushed first.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_ranks(fn: Callable, world: int, args) -> list:

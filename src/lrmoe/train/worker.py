@@ -96,6 +96,12 @@ def main() -> None:
     ap.add_argument("--error-file")
     a = ap.parse_args()
     main_worker(a.config, a.out, a.resume, a.max_steps, a.stop_at, tuple(a.eval_at), a.error_file)
+    # Everything is written and the process group destroyed: leave without the interpreter's
+    # teardown, in which gloo's threads can abort a finished rank ("terminate called without an
+    # active exception", exit -6) and torchrun would report the run as failed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
