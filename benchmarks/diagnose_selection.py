@@ -75,14 +75,14 @@ def _grads(model, ids, tgt, moe_inputs: list) -> tuple[dict[str, torch.Tensor], 
     return grads, [x.grad.detach().clone() for x in moe_inputs]
 
 
-def _hook_inputs(model, store: list):
+def _hook_inputs(model, store: list) -> list:
+    """Every MoE layer's input appended to ``store`` (its gradient retained); the hooks' handles."""
     def pre(_module, args):
         x = args[0]
         if torch.is_grad_enabled():
             x.retain_grad()
             store.append(x)
-    for _, layer in moe_layers(model):
-        layer.register_forward_pre_hook(pre)
+    return [layer.register_forward_pre_hook(pre) for _, layer in moe_layers(model)]
 
 
 def _dropped(layer, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> dict:
