@@ -44,7 +44,7 @@ def test_tiny_run(bench, tmp_path, monkeypatch):
     for label in ("local-sampled^0.5", "local-sampled^0/0.2"):
         whole = rows[f"{label}@1"]
         assert whole.pop("kept") == 1.0
-        assert all(v == 0.0 for v in whole.values()), "every pair kept: the full gradient exactly"
+        assert all(v < 1e-10 for v in whole.values()), "every pair kept: the full gradient (to rounding)"
         half = rows[f"{label}@0.5"]
         assert half["kept"] == pytest.approx(0.5, abs=0.01), "the ratio asked for, not what a budget would force"
         assert half["experts"] > 0.01
