@@ -13,7 +13,7 @@ from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.config import KEEP_NOTHING, KEEP_X, KEEP_X_ACTS
 from lrmoe.parallel import comm
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
-from lrmoe.planning.time_objective import call_work, candidate_ratios, fastest_quotas, keep_modes
+from lrmoe.planning.time_objective import call_work, calls_work, candidate_ratios, fastest_quotas, keep_modes
 from tests.helpers.layer import QWEN, equals_kept_reference, make_problem, split_tokens
 from tests.helpers.pool import RankPool
 
@@ -32,6 +32,20 @@ def test_candidates_run_from_one_to_the_floor():
     assert candidate_ratios(0.5) == [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5]
     assert candidate_ratios(0.62)[-1] == 0.62 and min(candidate_ratios(0.62)) == 0.62
     assert candidate_ratios(1.0) == [1.0]
+
+
+def test_candidates_priced_at_once_as_one_by_one():
+    """The objective prices every candidate in one pass: the quotas of C ratios at once are each
+    ratio's, and the work of C candidates each candidate's, whatever the keep modes."""
+    g = torch.Generator().manual_seed(0)
+    rows_ER = torch.randint(0, 300, (16, 4), generator=g) * (torch.rand(16, 4, generator=g) < 0.5)
+    counts_E = rows_ER.sum(1)
+    ratios = candidate_ratios(0.3)
+    q_CE = fixed_ratio_quota(counts_E, ratios)
+    assert all(torch.equal(q_CE[c], fixed_ratio_quota(counts_E, r)) for c, r in enumerate(ratios))
+    keeps = [(KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)[c % 3] for c in range(len(ratios))]
+    work_C = calls_work(rows_ER, q_CE, keeps)
+    assert work_C.tolist() == pytest.approx([call_work(rows_ER, q, k) for q, k in zip(q_CE, keeps)], rel=1e-12)
 
 
 def test_work_counts_the_slowest_rank_in_row_passes():

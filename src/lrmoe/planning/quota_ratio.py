@@ -10,6 +10,7 @@ This module is the quota's one home: :data:`QUOTA_EPS`, the scalar form :func:`q
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from heapq import heapify, heappop, heapreplace
 
 import numpy as np
@@ -39,10 +40,13 @@ def quota_array(c: np.ndarray, rho: float) -> np.ndarray:
     return np.where(c > 0, q, 0).astype(np.int64)
 
 
-def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float) -> torch.Tensor:
+def fixed_ratio_quota(counts_E: torch.Tensor, ratio: float | Sequence[float]) -> torch.Tensor:
     """q(ρ, c) of every count of ``counts_E`` at ρ = ``ratio``, in torch on the counts' device: int64,
-    the same float64 IEEE operations as :func:`quota_array` (ρ·c, − ε, ceil), so the same values."""
+    the same float64 IEEE operations as :func:`quota_array` (ρ·c, − ε, ceil), so the same values.
+    ``ratio`` a sequence of C ratios: the (C, E) quotas of each, in one pass."""
     c = counts_E.to(torch.float64)
+    if not isinstance(ratio, float | int):  # (as float64: a float32 ρ would round to other quotas)
+        ratio = torch.tensor(ratio, dtype=torch.float64, device=c.device).view(-1, 1)
     q = torch.clamp(torch.ceil(ratio * c - QUOTA_EPS), min=1.0)
     q = torch.minimum(q, c)
     return torch.where(counts_E > 0, q, torch.zeros_like(q)).to(torch.long)

@@ -43,11 +43,17 @@ def call_work(rows_ER: torch.Tensor, quota_E: torch.Tensor, keep: str) -> float:
     """The slowest rank's expert work in row passes when each expert keeps ``quota_E`` pairs,
     spread over its holders in proportion to their forward rows (``rows_ER``: the forward's rows
     of expert e on rank r), as a local selection's strata split them."""
+    return float(calls_work(rows_ER, quota_E.view(1, -1), [keep])[0])
+
+
+def calls_work(rows_ER: torch.Tensor, quota_CE: torch.Tensor, keeps: list[str]) -> torch.Tensor:
+    """:func:`call_work` of C candidates at once: their quotas (C, E) and keep modes; (C,) float64."""
     rows_ER = rows_ER.to(torch.float64)
     fwd_R = rows_ER.sum(0)
-    share_E = quota_E.to(torch.float64) / rows_ER.sum(1).clamp(min=1.0)
-    bwd_R = (rows_ER * share_E.view(-1, 1)).sum(0)
-    return float(((FORWARD_PASSES + FIXED_PASSES) * fwd_R + BACKWARD_PASSES[keep] * bwd_R).max())
+    share_CE = quota_CE.to(torch.float64) / rows_ER.sum(1).clamp(min=1.0)
+    bwd_CR = (rows_ER.unsqueeze(0) * share_CE.unsqueeze(2)).sum(1)
+    passes_C = torch.tensor([BACKWARD_PASSES[k] for k in keeps], dtype=torch.float64)
+    return ((FORWARD_PASSES + FIXED_PASSES) * fwd_R + passes_C.view(-1, 1) * bwd_CR).amax(1)
 
 
 def candidate_ratios(min_ratio: float) -> list[float]:
@@ -60,21 +66,21 @@ def fastest_quotas(counts_E: torch.Tensor, rows_ER: torch.Tensor, quota_E: torch
                    keep_of: Callable[[torch.Tensor], str], cfg: BackwardConfig) -> tuple[torch.Tensor, str]:
     """(quotas, keep mode) with the least predicted time to target, each candidate ``quota_E``
     (what memory, the network and the ratio allow) capped at a ratio of ``counts_E``;
-    ``keep_of``: the keep mode a candidate's quotas leave room for."""
+    ``keep_of``: the keep mode a candidate's quotas leave room for. Every candidate is priced in
+    one pass (a few tensor operations a call, not a dozen)."""
+    q_CE = torch.minimum(quota_E, fixed_ratio_quota(counts_E, candidate_ratios(cfg.min_ratio)))
+    fresh_C = torch.ones(len(q_CE), dtype=torch.bool)
+    fresh_C[1:] = (q_CE[1:] != q_CE[:-1]).any(1)  # a ratio whose quotas equal the one before adds nothing
+    q_CE = q_CE[fresh_C]
+    keeps = keep_modes(list(q_CE), keep_of)
     total = float(counts_E.sum())
-    candidates: list[torch.Tensor] = []
-    for ratio in candidate_ratios(cfg.min_ratio):
-        q_E = torch.minimum(quota_E, fixed_ratio_quota(counts_E, ratio))
-        if not candidates or not torch.equal(q_E, candidates[-1]):
-            candidates.append(q_E)
-    best: tuple[float, torch.Tensor, str] | None = None
-    for q_E, keep in zip(candidates, keep_modes(candidates, keep_of)):
-        dropped = 1.0 - float(q_E.sum()) / total if total else 0.0
-        predicted = (1.0 + cfg.drop_cost * dropped) * call_work(rows_ER, q_E, keep)
-        if best is None or predicted < best[0] * (1 - 1e-9):
-            best = (predicted, q_E, keep)
-    assert best is not None
-    return best[1], best[2]
+    dropped_C = 1.0 - q_CE.sum(1).to(torch.float64) / total if total else torch.zeros(len(q_CE), dtype=torch.float64)
+    predicted = ((1.0 + cfg.drop_cost * dropped_C) * calls_work(rows_ER, q_CE, keeps)).tolist()
+    best = 0
+    for c in range(1, len(predicted)):  # ties keep more: a later candidate must be faster by more than rounding
+        if predicted[c] < predicted[best] * (1 - 1e-9):
+            best = c
+    return q_CE[best], keeps[best]
 
 
 def keep_modes(candidates: list[torch.Tensor], keep_of: Callable[[torch.Tensor], str]) -> list[str]:
@@ -99,5 +105,5 @@ def keep_modes(candidates: list[torch.Tensor], keep_of: Callable[[torch.Tensor],
     return modes  # type: ignore[return-value]
 
 
-__all__ = ["BACKWARD_PASSES", "FIXED_PASSES", "FORWARD_PASSES", "RATIO_STEP", "call_work", "candidate_ratios",
-           "fastest_quotas", "keep_modes"]
+__all__ = ["BACKWARD_PASSES", "FIXED_PASSES", "FORWARD_PASSES", "RATIO_STEP", "call_work", "calls_work",
+           "candidate_ratios", "fastest_quotas", "keep_modes"]
