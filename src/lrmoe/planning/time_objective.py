@@ -52,7 +52,7 @@ def calls_work(rows_ER: torch.Tensor, quota_CE: torch.Tensor, keeps: list[str]) 
     fwd_R = rows_ER.sum(0)
     share_CE = quota_CE.to(torch.float64) / rows_ER.sum(1).clamp(min=1.0)
     bwd_CR = (rows_ER.unsqueeze(0) * share_CE.unsqueeze(2)).sum(1)
-    passes_C = torch.tensor([BACKWARD_PASSES[k] for k in keeps], dtype=torch.float64)
+    passes_C = torch.tensor([BACKWARD_PASSES[k] for k in keeps], dtype=torch.float64, device=rows_ER.device)
     return ((FORWARD_PASSES + FIXED_PASSES) * fwd_R + passes_C.view(-1, 1) * bwd_CR).amax(1)
 
 
@@ -69,12 +69,13 @@ def fastest_quotas(counts_E: torch.Tensor, rows_ER: torch.Tensor, quota_E: torch
     ``keep_of``: the keep mode a candidate's quotas leave room for. Every candidate is priced in
     one pass (a few tensor operations a call, not a dozen)."""
     q_CE = torch.minimum(quota_E, fixed_ratio_quota(counts_E, candidate_ratios(cfg.min_ratio)))
-    fresh_C = torch.ones(len(q_CE), dtype=torch.bool)
+    fresh_C = torch.ones(len(q_CE), dtype=torch.bool, device=q_CE.device)
     fresh_C[1:] = (q_CE[1:] != q_CE[:-1]).any(1)  # a ratio whose quotas equal the one before adds nothing
     q_CE = q_CE[fresh_C]
     keeps = keep_modes(list(q_CE), keep_of)
     total = float(counts_E.sum())
-    dropped_C = 1.0 - q_CE.sum(1).to(torch.float64) / total if total else torch.zeros(len(q_CE), dtype=torch.float64)
+    kept_C = q_CE.sum(1).to(torch.float64)
+    dropped_C = 1.0 - kept_C / total if total else kept_C  # (no pairs: every candidate keeps 0 of 0)
     predicted = ((1.0 + cfg.drop_cost * dropped_C) * calls_work(rows_ER, q_CE, keeps)).tolist()
     best = 0
     for c in range(1, len(predicted)):  # ties keep more: a later candidate must be faster by more than rounding
