@@ -57,8 +57,18 @@ def warmed_model(cfg: RunConfig, data: TokenData, batches: Batches, steps: int) 
     return model
 
 
-def _squares(grads: dict[str, torch.Tensor], dx: list[torch.Tensor], moe_names: list[str]) -> dict[str, torch.Tensor]:
-    """Per gradient group, the flattened gradients (expert weights also pooled as ``experts``)."""
+def grouped_gradients(model: torch.nn.Module, ids: torch.Tensor, tgt: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One backward of ``model`` on the batch: per gradient group, its gradients flattened into one
+    float64 vector (each MoE layer's weights, router and input dx, everything upstream; the expert
+    weights also pooled as ``experts``)."""
+    moe_names = [n for n, _ in moe_layers(model)]
+    inputs: list[torch.Tensor] = []
+    hooks = _hook_inputs(model, inputs)
+    try:
+        grads, dx = _grads(model, ids, tgt, inputs)
+    finally:
+        for h in hooks:
+            h.remove()
     parts: dict[str, list[torch.Tensor]] = {}
     for name, g in grads.items():
         group = _group_of(name, moe_names)
@@ -71,25 +81,20 @@ def _squares(grads: dict[str, torch.Tensor], dx: list[torch.Tensor], moe_names: 
     return {k: torch.cat(v).double() for k, v in parts.items()}
 
 
-def relative_errors(cfg: RunConfig, full: torch.nn.Module, data: TokenData, ids: torch.Tensor, tgt: torch.Tensor,
-                    label: str, ratio: float, draws: int) -> dict[str, float]:
-    """E‖ĝ − g‖² / ‖g‖² per gradient group over ``draws`` backward calls of variant ``label``."""
+def relative_errors(cfg: RunConfig, full: torch.nn.Module, reference: dict[str, torch.Tensor], data: TokenData,
+                    ids: torch.Tensor, tgt: torch.Tensor, label: str, ratio: float, draws: int) -> dict[str, float]:
+    """E‖ĝ − g‖² / ‖g‖² per gradient group over ``draws`` backward calls of variant ``label`` on
+    ``full``'s weights (``reference``: ``full``'s own :func:`grouped_gradients` on the batch)."""
     backward = replace(cfg.backward, ratio=ratio, objective="memory", **selection_variant(label))
     # no memory or network budget: on one process the config's would force its own kept ratio
     model = build_model(replace(cfg, backward=backward, budget=None).with_train(system="lrmoe", nproc=1),
                         data.vocab_size, Groups(None, 0))
     model.load_state_dict(full.state_dict())
-    moe_names = [n for n, _ in moe_layers(full)]
-    store_full, store = [], []
-    hooks = _hook_inputs(full, store_full) + _hook_inputs(model, store)
-    reference = _squares(*_grads(full, ids, tgt, store_full), moe_names)
     error = dict.fromkeys(reference, 0.0)
     for _ in range(draws):
-        drawn = _squares(*_grads(model, ids, tgt, store), moe_names)
+        drawn = grouped_gradients(model, ids, tgt)
         for k, g in reference.items():
             error[k] += float((drawn.get(k, torch.zeros_like(g)) - g).pow(2).sum()) / draws
-    for h in hooks:
-        h.remove()
     stats = [layer.last_stats for _, layer in moe_layers(model)]
     kept = sum(float(s["kept_E"].sum()) for s in stats) / sum(float(s["counts_E"].sum()) for s in stats)
     return {"kept": kept, **{k: error[k] / float(g.pow(2).sum()) for k, g in reference.items()
@@ -117,10 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
     batches = Batches(data, cfg.model.seq_len, t.batch * t.nproc, 0, 1, t.seed)  # the run's global batch
     full = warmed_model(cfg, data, batches, args.warm_steps)
     ids, tgt = batches.train_batch(args.warm_steps)
+    reference = grouped_gradients(full, ids, tgt)  # the full backward, once for every variant
     rows = {}
     for r in ratios:
         for label in labels:
-            rows[f"{label}@{r:g}"] = relative_errors(cfg, full, data, ids, tgt, label, r, args.draws)
+            rows[f"{label}@{r:g}"] = relative_errors(cfg, full, reference, data, ids, tgt, label, r, args.draws)
             print(f"{label}@{r:g}: experts {rows[f'{label}@{r:g}']['experts']:.3f}", flush=True)
     print_table(f"relative MSE of each gradient against the full backward's, {args.draws} draws after "
                 f"{args.warm_steps} full steps ({args.config})",

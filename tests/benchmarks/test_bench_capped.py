@@ -6,25 +6,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lrmoe import MoEConfig, MoELayer
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"  # tests/benchmarks/ -> the repository root
+from tests.helpers.benchmarks import BENCH, import_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_capped
-    finally:
-        sys.path.remove(str(BENCH))
-    return bench_capped
+    return import_script("bench_capped")
 
 
 def offsets(bench, order_seed, experts=16):

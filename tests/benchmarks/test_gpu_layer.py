@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lrmoe import MoEConfig, MoELayer
+from tests.helpers.benchmarks import import_script
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"  # tests/benchmarks/ -> the repository root
 MODELS = ("qwen3-30b-a3b", "glm45-air")
 
 
 @pytest.fixture(scope="module")
 def gpu_layer():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import gpu_layer
-    finally:
-        sys.path.remove(str(BENCH))
-    return gpu_layer
+    return import_script("gpu_layer")
 
 
 def _finite(v) -> bool:

@@ -1,28 +1,20 @@
-"""benchmarks/selection_variance.py: study labels (score power and p_min floor), and a tiny run on
-configs/paper.toml's model: a backward that keeps every pair has no error; one that keeps half has some in
-every expert gradient, and its JSON holds what the table printed."""
+"""benchmarks/selection_variance.py: study labels (score power and p_min floor), and a tiny run
+on configs/paper.toml's model: a backward that keeps every pair has no error; one that keeps half
+(the ratio asked, not what the config's budget would force) has some in every expert gradient,
+and its JSON holds what the table printed."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks"
+from tests.helpers.benchmarks import BENCH, import_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import common
-        import selection_variance
-    finally:
-        sys.path.remove(str(BENCH))
-    return selection_variance, common
+    return import_script("selection_variance"), import_script("common")
 
 
 def test_labels(bench):
@@ -35,7 +27,7 @@ def test_labels(bench):
 
 def test_tiny_run(bench, tmp_path, monkeypatch):
     variance, _ = bench
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(BENCH.parent)
     out = tmp_path / "v.json"
     # paper.toml's budget would force about half the pairs on one process: the study lifts it
     rows = variance.main(["--config", "configs/paper.toml", "--warm-steps", "1", "--draws", "2", "--ratios", "1,0.5",
