@@ -75,7 +75,7 @@ def fastest_quotas(counts_E: torch.Tensor, rows_ER: torch.Tensor, quota_E: torch
     keeps = keep_modes(list(q_CE), keep_of)
     total = float(counts_E.sum())
     kept_C = q_CE.sum(1).to(torch.float64)
-    dropped_C = 1.0 - kept_C / total if total else kept_C  # (no pairs: every candidate keeps 0 of 0)
+    dropped_C = 1.0 - kept_C / total if total else torch.zeros_like(kept_C)  # no pairs: none dropped
     predicted = ((1.0 + cfg.drop_cost * dropped_C) * calls_work(rows_ER, q_CE, keeps)).tolist()
     best = 0
     for c in range(1, len(predicted)):  # ties keep more: a later candidate must be faster by more than rounding
