@@ -8,8 +8,9 @@ The per-step half of ``lrmoe compare``'s MoE time to target (steps to target × 
 step), measured without a training run's noise: one MoE layer per system on ``--world`` gloo
 ranks, the same weights and tokens, routing skewed towards a few experts (``--skew``: the
 spread of per-expert router offsets; the load's coefficient of variation is printed), rounds
-interleaved. Which expert gets which offset is a seeded random order (``--order-seed``), so the
-hot experts land on ranks as chance has it; ``--worst-case`` gives the largest offsets to the
+interleaved, the ranks meeting at a barrier before each system's step. Which expert gets which
+offset is a seeded random order (``--order-seed``), so the hot experts land on ranks as chance
+has it; ``--worst-case`` gives the largest offsets to the
 lowest expert ids instead, which static's block placement puts all on rank 0 (the worst case for
 static). The hot rank's share of the forward's received rows (the largest rank's share) is
 reported for the routing under static's block placement (``hot_rank_share`` in ``meta``) and
@@ -31,6 +32,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from common import print_table, run_ranks, write_json
 
 from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
@@ -115,6 +117,9 @@ def measure(group, args: argparse.Namespace) -> dict[str, dict]:
             if "oom" in out[name]:
                 continue
             layer.zero_grad(set_to_none=True)
+            # Ranks aligned: otherwise one rank's lead out of the previous system's step (its
+            # step_end's share, say) is waited for in this one's first collective and counted here.
+            dist.barrier(group)
             t0 = time.perf_counter()
             try:
                 y = layer(x.detach().requires_grad_(True))
