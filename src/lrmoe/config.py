@@ -168,7 +168,10 @@ class BackwardConfig:
     predicted time to target falls (:mod:`lrmoe.planning.time_objective`): steps grow as
     1 + ``drop_cost`` · (share of pairs dropped) down to ``min_ratio`` (the convergence study's
     fit, docs/convergence.md), while each call's GEMM work shrinks with its kept rows. It
-    applies to the compacting systems, whose GEMMs shrink.
+    applies to the compacting systems, whose GEMMs shrink. ``trim_after``: the first
+    ``trim_after`` optimizer steps keep every pair the memory and the network allow (no ratio,
+    no balance, no time objective): trimming while the router and the experts take shape costs
+    steps that the same trimming later does not (docs/convergence.md "When to trim").
     """
 
     selection: str = "local-sampled"
@@ -181,6 +184,7 @@ class BackwardConfig:
     min_ratio: float = 0.5
     objective: str = "memory"
     drop_cost: float = 0.13  # docs/convergence.md: configs/paper.toml's model, 3 seeds, fit over ρ in [0.5, 1]
+    trim_after: int = 0
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -201,6 +205,8 @@ class BackwardConfig:
             raise _bad("objective", self.objective, f"expected one of {OBJECTIVES}")
         if not (_is_number(self.drop_cost) and self.drop_cost >= 0):
             raise _bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
+        if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:
+            raise _bad("trim_after", self.trim_after, "expected an integer >= 0 (optimizer steps before trimming)")
 
     @property
     def local(self) -> bool:

@@ -174,3 +174,29 @@ def test_the_planners_keep_mode_only_gets_richer_along_the_candidates(kept_rows)
     every = [keep_of(q) for q in candidates]
     assert len(set(every)) == 2, "the cap makes the mode change along the ratios"
     assert keep_modes(candidates, keep_of) == every
+
+
+@pytest.mark.parametrize("backward", [BackwardConfig(objective="time", drop_cost=0.0, min_ratio=0.6, trim_after=2),
+                                      BackwardConfig(ratio=0.5, trim_after=2)], ids=["time", "ratio"])
+def test_nothing_is_trimmed_before_trim_after_steps(backward):
+    """The first ``trim_after`` optimizer steps keep every pair (neither the time objective nor
+    the ratio trims); from the next one the backward trims as configured."""
+    cfg = MoEConfig(**QWEN)
+    sd, x, g = make_problem(cfg, 64, 5, "hot_expert")
+    layer = MoELayer(cfg, system="lrmoe", backward=backward)
+    layer.load_full_state_dict(sd)
+    kept = []
+    for _ in range(3):
+        layer(x.clone().requires_grad_(True)).backward(g)
+        s = layer.last_stats
+        kept.append(torch.equal(s["kept_E"], s["counts_E"]))
+        layer.step_end()
+    ratio = backward.min_ratio if backward.objective == "time" else backward.ratio
+    assert kept == [True, True, False]
+    assert torch.equal(s["kept_E"], fixed_ratio_quota(s["counts_E"], ratio))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_trim_after_is_refused(value):
+    with pytest.raises(ValueError, match="trim_after"):
+        BackwardConfig(trim_after=value)

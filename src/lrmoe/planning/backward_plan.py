@@ -64,7 +64,7 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
         def keep_of(q_E: torch.Tensor) -> str:
             return planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
 
-        if planner.backward.objective == "time":
+        if planner.backward.objective == "time" and planner.trims:
             quota_E, keep = fastest_quotas(counts_E, plan.assignment.rows_ER(), quota_E, keep_of, planner.backward)
         else:
             keep = keep_of(quota_E)
@@ -79,11 +79,14 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
 def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None,
            rows: PairAssignment | None = None) -> torch.Tensor:
     """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone
-    (``rows``: the forward's assignment, which spares the solve where it keeps every pair)."""
-    quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio)
+    (``rows``: the forward's assignment, which spares the solve where it keeps every pair).
+    Before the planner trims (:attr:`~lrmoe.planning.planner.LayerPlanner.trims`), the
+    controller's alone: every pair memory and the network allow."""
+    trims = planner.trims
+    quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio if trims else 1.0)
     if planner.controller is not None:
         quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
-    if planner.backward.balance is not None:
+    if trims and planner.backward.balance is not None:
         quota_E = torch.minimum(quota_E, demand_balanced(counts_E, placement, planner.backward))
     return quota_E
 
