@@ -85,7 +85,7 @@ def relative_errors(cfg: RunConfig, full: torch.nn.Module, reference: dict[str, 
                     ids: torch.Tensor, tgt: torch.Tensor, label: str, ratio: float, draws: int) -> dict[str, float]:
     """E‖ĝ − g‖² / ‖g‖² per gradient group over ``draws`` backward calls of variant ``label`` on
     ``full``'s weights (``reference``: ``full``'s own :func:`grouped_gradients` on the batch)."""
-    backward = replace(cfg.backward, ratio=ratio, objective="memory", **selection_variant(label))
+    backward = replace(cfg.backward, ratio=ratio, objective="memory", trim_after=0, **selection_variant(label))
     # no memory or network budget: on one process the config's would force its own kept ratio
     model = build_model(replace(cfg, backward=backward, budget=None).with_train(system="lrmoe", nproc=1),
                         data.vocab_size, Groups(None, 0))
