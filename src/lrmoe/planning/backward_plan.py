@@ -58,13 +58,16 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     counts_E = plan.counts_SE.sum(0)
     kept_capacity_R = None if planner.controller is None else \
         planner.controller.kept_capacity(placement, int(counts_E.sum()))
-    quota_E = quotas(planner, counts_E, placement, kept_capacity_R, plan.assignment)
+    # past the warm phase (BackwardConfig.trim_after) the backward may trim beyond what memory
+    # and the network force; within it, it keeps every pair they allow
+    trims = planner.steps >= planner.backward.trim_after
+    quota_E = quotas(planner, counts_E, placement, kept_capacity_R, plan.assignment, trims)
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
         def keep_of(q_E: torch.Tensor) -> str:
             return planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
 
-        if planner.backward.objective == "time" and planner.trims:
+        if planner.backward.objective == "time" and trims:
             quota_E, keep = fastest_quotas(counts_E, plan.assignment.rows_ER(), quota_E, keep_of, planner.backward)
         else:
             keep = keep_of(quota_E)
@@ -77,12 +80,11 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
 
 
 def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None,
-           rows: PairAssignment | None = None) -> torch.Tensor:
+           rows: PairAssignment | None = None, trims: bool = True) -> torch.Tensor:
     """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone
     (``rows``: the forward's assignment, which spares the solve where it keeps every pair).
-    Before the planner trims (:attr:`~lrmoe.planning.planner.LayerPlanner.trims`), the
-    controller's alone: every pair memory and the network allow."""
-    trims = planner.trims
+    ``trims`` False (the warm phase): the controller's alone, every pair memory and the network
+    allow."""
     quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio if trims else 1.0)
     if planner.controller is not None:
         quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))

@@ -169,12 +169,6 @@ class LayerPlanner:
             self._replan()
         return True
 
-    @property
-    def trims(self) -> bool:
-        """Whether this step's backward may trim beyond what memory and the network force: past
-        the first ``backward.trim_after`` optimizer steps."""
-        return self.steps >= self.backward.trim_after
-
     def take_bound_optimizer_bytes(self) -> int | None:
         """Optimizer bytes bound to new copies since the last take (modelled, not moved); None
         for systems that move no optimizer state."""
