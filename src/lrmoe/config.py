@@ -172,6 +172,8 @@ class BackwardConfig:
     ``trim_after`` optimizer steps keep every pair the memory and the network allow (no ratio,
     no balance, no time objective): trimming while the router and the experts take shape costs
     steps that the same trimming later does not (docs/convergence.md "When to trim").
+    ``warm_ratio``: the fixed-ratio quota of those first steps (1, the default, keeps every
+    pair); a ratio the study found free in steps trims them too, by that ratio alone.
     """
 
     selection: str = "local-sampled"
@@ -185,6 +187,7 @@ class BackwardConfig:
     objective: str = "memory"
     drop_cost: float = 0.13  # docs/convergence.md: configs/paper.toml's model, 3 seeds, fit over ρ in [0.5, 1]
     trim_after: int = 0
+    warm_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -207,6 +210,7 @@ class BackwardConfig:
             raise _bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
         if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:
             raise _bad("trim_after", self.trim_after, "expected an integer >= 0 (optimizer steps before trimming)")
+        _fraction("warm_ratio", self.warm_ratio)
 
     @property
     def local(self) -> bool:

@@ -6,6 +6,8 @@ with that kept set."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -176,27 +178,32 @@ def test_the_planners_keep_mode_only_gets_richer_along_the_candidates(kept_rows)
     assert keep_modes(candidates, keep_of) == every
 
 
+@pytest.mark.parametrize("warm_ratio", [1.0, 0.75])
 @pytest.mark.parametrize("backward", [BackwardConfig(objective="time", drop_cost=0.0, min_ratio=0.6, trim_after=2),
                                       BackwardConfig(ratio=0.5, trim_after=2)], ids=["time", "ratio"])
-def test_nothing_is_trimmed_before_trim_after_steps(backward):
-    """The first ``trim_after`` optimizer steps keep every pair (neither the time objective nor
-    the ratio trims); from the next one the backward trims as configured."""
+def test_only_the_warm_ratio_trims_before_trim_after_steps(backward, warm_ratio):
+    """The first ``trim_after`` optimizer steps keep the warm ratio's quota (1: every pair;
+    neither the time objective nor the ratio trims); from the next one the backward trims as
+    configured."""
     cfg = MoEConfig(**QWEN)
     sd, x, g = make_problem(cfg, 64, 5, "hot_expert")
-    layer = MoELayer(cfg, system="lrmoe", backward=backward)
+    layer = MoELayer(cfg, system="lrmoe", backward=replace(backward, warm_ratio=warm_ratio))
     layer.load_full_state_dict(sd)
-    kept = []
-    for _ in range(3):
+    ratio = backward.min_ratio if backward.objective == "time" else backward.ratio
+    for expected in (warm_ratio, warm_ratio, ratio):
         layer(x.clone().requires_grad_(True)).backward(g)
         s = layer.last_stats
-        kept.append(torch.equal(s["kept_E"], s["counts_E"]))
+        assert torch.equal(s["kept_E"], fixed_ratio_quota(s["counts_E"], expected))
         layer.step_end()
-    ratio = backward.min_ratio if backward.objective == "time" else backward.ratio
-    assert kept == [True, True, False]
-    assert torch.equal(s["kept_E"], fixed_ratio_quota(s["counts_E"], ratio))
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_a_bad_trim_after_is_refused(value):
     with pytest.raises(ValueError, match="trim_after"):
         BackwardConfig(trim_after=value)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True, "1"])
+def test_a_bad_warm_ratio_is_refused(value):
+    with pytest.raises(ValueError, match="warm_ratio"):
+        BackwardConfig(warm_ratio=value)

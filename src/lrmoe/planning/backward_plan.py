@@ -59,7 +59,7 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     kept_capacity_R = None if planner.controller is None else \
         planner.controller.kept_capacity(placement, int(counts_E.sum()))
     # past the warm phase (BackwardConfig.trim_after) the backward may trim beyond what memory
-    # and the network force; within it, it keeps every pair they allow
+    # and the network force; within it, it keeps every pair they and the warm ratio allow
     trims = planner.steps >= planner.backward.trim_after
     quota_E = quotas(planner, counts_E, placement, kept_capacity_R, plan.assignment, trims)
     keep = plan.keep
@@ -83,13 +83,14 @@ def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, 
            rows: PairAssignment | None = None, trims: bool = True) -> torch.Tensor:
     """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone
     (``rows``: the forward's assignment, which spares the solve where it keeps every pair).
-    ``trims`` False (the warm phase): the controller's alone, every pair memory and the network
-    allow."""
-    quota_E = fixed_ratio_quota(counts_E, planner.backward.ratio if trims else 1.0)
+    ``trims`` False (the warm phase): the warm ratio's capped by the controller's, every pair
+    memory, the network and that ratio allow."""
+    cfg = planner.backward
+    quota_E = fixed_ratio_quota(counts_E, cfg.ratio if trims else cfg.warm_ratio)
     if planner.controller is not None:
         quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
-    if trims and planner.backward.balance is not None:
-        quota_E = torch.minimum(quota_E, demand_balanced(counts_E, placement, planner.backward))
+    if trims and cfg.balance is not None:
+        quota_E = torch.minimum(quota_E, demand_balanced(counts_E, placement, cfg))
     return quota_E
 
 
