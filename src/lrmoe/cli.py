@@ -177,7 +177,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                           lrmoe_slots=args.lrmoe_slots, zipf=args.zipf, seed=args.seed,
                           network_budget=args.network_budget or None, convergence=args.convergence,
                           backward=BackwardConfig(objective=args.objective, drop_cost=args.drop_cost,
-                                                  min_ratio=args.min_ratio),
+                                                  min_ratio=args.min_ratio, warm_ratio=args.warm_ratio),
+                          warm_share=args.warm_share,
                           planning=args.planning) for m in models]
         out = Path(args.out)
         project(cfgs, out, progress=not args.quiet)
@@ -254,6 +255,12 @@ def _simulate_parser(sub) -> None:
                     help="the time objective's extra steps per unit of pairs dropped (docs/convergence.md)")
     sm.add_argument("--min-ratio", type=float, default=BackwardConfig.min_ratio,
                     help="the time objective's floor on each expert's kept ratio")
+    sm.add_argument("--warm-share", type=float, default=0.0,
+                    help=f"share of {OURS}'s steps to target in its warm phase (trim_after over its steps; "
+                         "configs/paper.toml: 50 of ~165, 0.3): they run at --warm-ratio with no time objective "
+                         "(default 0: none)")
+    sm.add_argument("--warm-ratio", type=float, default=BackwardConfig.warm_ratio,
+                    help="the warm phase's kept ratio (default 1: every pair memory and the network allow)")
     sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--quiet", action="store_true", help="no progress bar")

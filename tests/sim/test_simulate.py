@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +24,7 @@ from lrmoe.sim.host import PlanningReference
 from lrmoe.sim.layer_calls import SystemPlanner
 from lrmoe.sim.memory import RankWork, expert_side_peak
 from lrmoe.sim.report import table_md
-from lrmoe.sim.run import Projection, simulate
+from lrmoe.sim.run import Projection, simulate, warm_key
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import rescale_counts, split_sources, zipf_counts
 from lrmoe.sim.whatif import what_if, what_if_reference
@@ -383,3 +384,30 @@ def test_the_time_objective_trims_where_dropping_costs_no_steps():
 
     assert kept(BackwardConfig()) == 1.0
     assert 0.6 <= kept(BackwardConfig(objective="time", drop_cost=0.0, min_ratio=0.6)) < 0.62
+
+
+def test_a_warm_phase_weights_both_phases_by_their_steps():
+    """--warm-share: lrmoe's row is its trimmed run's and its warm run's (the warm ratio, no
+    time objective) weighted by their share of the steps — step time and kept ratio exactly so,
+    memory the larger — and the steps are read at the weighted kept ratio."""
+    timed = BackwardConfig(objective="time")
+    name = "lrmoe-local-sampled"
+    trimmed = simulate(_small(backward=timed), progress=False)[0]["caps"]["60"][name]
+    warm = simulate(_small(backward=replace(timed, objective="memory"), ratios=(0.75,)),
+                    progress=False)[0]["caps"]["60"][f"{name}@0.75"]
+    doc, calls = simulate(_small(backward=replace(timed, warm_ratio=0.75), warm_share=0.3), progress=False)
+    row = doc["caps"]["60"][name]
+    assert trimmed["kept_ratio"] < warm["kept_ratio"] <= 0.75 + 1e-3  # the time objective trims further
+    for key in ("step_ms", "kept_ratio", "host_ms"):
+        assert row[key] == pytest.approx(0.3 * warm[key] + 0.7 * trimmed[key])
+    assert row["step_peak_bytes"] == max(warm["step_peak_bytes"], trimmed["step_peak_bytes"])
+    assert row["warm_phase"]["step_ms"] == pytest.approx(warm["step_ms"])
+    assert row["steps_ratio"] < trimmed["steps_ratio"]  # more pairs kept: read nearer static's steps
+    assert calls["60"][warm_key(name)] is not None
+    assert doc["meta"]["warm_phase"] == {"share": 0.3, "ratio": 0.75}
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, True])
+def test_a_bad_warm_share_is_refused(share):
+    with pytest.raises(SimError, match="warm-share"):
+        _small(warm_share=share)

@@ -45,6 +45,10 @@ class SimConfig:
     lrmoe_slots: str = LRMOE_SLOTS_SEARCH  # or LRMOE_SLOTS_FIXED: the replicated baseline's default count
     network_budget: float | None = 1.0  # × a balanced rank's keep-nothing backward bytes; None: no network budget
     backward: BackwardConfig = field(default_factory=BackwardConfig)  # lrmoe's objective, drop_cost, min_ratio
+    # lrmoe's warm phase (BackwardConfig.trim_after) as a share of its steps to target: those steps
+    # run at backward.warm_ratio with no time objective, the rest as configured; 0: none (every
+    # step as configured)
+    warm_share: float = 0.0
     optimizer_bytes_per_param: float = 12.0
     zipf: float = 0.3
     drift: int = 4
@@ -72,6 +76,13 @@ class SimConfig:
                            f"{LRMOE_SLOTS_SEARCH!r} or {LRMOE_SLOTS_FIXED!r}")
         if self.selection not in SELECTIONS:
             raise SimError(f"--selection={self.selection!r} is invalid: expected one of {SELECTIONS}")
+        if isinstance(self.warm_share, bool) or not isinstance(self.warm_share, (int, float)) \
+                or not 0 <= self.warm_share < 1:
+            raise SimError(f"--warm-share={self.warm_share!r} is invalid: expected a number in [0, 1) "
+                           f"(the share of lrmoe's steps before it trims)")
+        if self.backward.trim_after:
+            raise SimError("the projection's warm phase is a share of the steps (--warm-share), not "
+                           "BackwardConfig.trim_after")
         if self.network_budget is not None and not (self.network_budget > 0):
             raise SimError(f"--network-budget={self.network_budget!r} is invalid: expected a number > 0 "
                            f"(0 on the command line: none)")

@@ -131,7 +131,7 @@ def table_md(results: dict[str, dict]) -> str:
                 f"Routing: {meta['routing']}. Steps to target: {'; '.join(meta.get('steps_sources', []))}; "
                 f"{meta['compare']} ({REF} = {meta['target_steps_static']} steps). {OURS} selection: "
                 f"{meta['selection']}; network budget {meta.get('network_budget')} × a balanced backward. "
-                f"Host planning: {meta.get('planning_reference')} at {meta.get('planning_shape')}.", ""]
+                f"Host planning: {meta.get('planning_reference')} at {meta.get('planning_shape')}.{_warm(meta)}", ""]
         for cap, rows in doc["caps"].items():
             symi = rows.get(BASE, {})
             static = rows.get(REF, {})
@@ -161,6 +161,15 @@ def table_md(results: dict[str, dict]) -> str:
             notes = [f"- {name}: {r['note']}" for name, r in rows.items() if r.get("note")]
             out += [""] + notes + ([""] if notes else [])
     return "\n".join(out)
+
+
+def _warm(meta: dict) -> str:
+    """The header's line on lrmoe's warm phase (none: empty)."""
+    warm = meta.get("warm_phase")
+    if not warm:
+        return ""
+    return (f" {OURS}'s warm phase: the first {warm['share']:.0%} of its steps at kept ratio ≤ {warm['ratio']:g} "
+            f"with no time objective (its rows: both phases weighted by their steps; memory: the larger).")
 
 
 def write_results(out: Path, results: dict[str, dict]) -> None:

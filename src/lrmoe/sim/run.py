@@ -80,9 +80,10 @@ class Projection:
 
     best_symi = staticmethod(search.best_symi)
 
-    def lrmoe(self, cap: int, ratio: float) -> tuple[list[list[LayerCall]] | None, str, dict]:
-        """The trimming system at its largest fitting budget (:func:`lrmoe.sim.search.lrmoe_at_cap`)."""
-        return search.lrmoe_at_cap(self, cap, ratio)
+    def lrmoe(self, cap: int, ratio: float, warm: bool = False) -> tuple[list[list[LayerCall]] | None, str, dict]:
+        """The trimming system at its largest fitting budget (:func:`lrmoe.sim.search.lrmoe_at_cap`;
+        ``warm``: its warm phase)."""
+        return search.lrmoe_at_cap(self, cap, ratio, warm)
 
     def fit_exact(self, cap: int, calls_by: dict, notes: dict, extra: dict) -> None:
         """Every system besides lrmoe whose step does not fit ``cap`` uncapped (the replicated
@@ -112,10 +113,15 @@ def lrmoe_name(selection: str, ratio: float) -> str:
     return name if ratio >= 1 else f"{name}@{ratio:g}"
 
 
+def warm_key(name: str) -> str:
+    """Where :func:`simulate`'s calls keep the warm phase's calls of ``name``."""
+    return f"{name} (warm phase)"
+
+
 def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
     """Run the projection of one model. Returns ({"meta": ..., "caps": {cap: {system: row}},
     "what_if": {cap: {name: grid}}}, {cap: {system: calls}}), the calls kept for re-costing
-    (link-bandwidth sensitivity)."""
+    (link-bandwidth sensitivity; lrmoe's warm phase under :func:`warm_key`)."""
     spec, W = cfg.spec, cfg.gpus
     check_caps(cfg)
     counts, layers, source = routing_counts(cfg)
@@ -139,18 +145,24 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
             {"slots": c["slots"], "step_ms": c["step_ms"], "step_peak_bytes": c["step_peak_bytes"],
              "fits": c["step_peak_bytes"] <= cap} for c in symi_candidates]}
         proj.fit_exact(cap, calls_by, notes, extra)
+        warm_by: dict[str, list[list[LayerCall]] | None] = {}
         for ratio in cfg.ratios:
             name = lrmoe_name(cfg.selection, ratio)
             calls_by[name], notes[name], budget_search = proj.lrmoe(cap, ratio)
             extra[name] = {"budget_search": budget_search, "ratio_cap": ratio}
-        rows = {name: {**result_row(name, calls, cfg, cap, target, notes.get(name)), **extra.get(name, {})}
+            if cfg.warm_share and calls_by[name] is not None:  # both phases must fit
+                warm_by[name], warm_note, _ = proj.lrmoe(cap, ratio, warm=True)
+                if warm_by[name] is None:
+                    calls_by[name], notes[name] = None, f"warm phase: {warm_note}"
+        rows = {name: {**result_row(name, calls, cfg, cap, target, notes.get(name), warm_by.get(name)),
+                       **extra.get(name, {})}
                 for name, calls in calls_by.items()}
         key = f"{cap_gib:g}"
         caps[key] = rows
         against = what_if_reference(rows)
         grids[key] = {n: {"against": against, **({} if against is None else what_if(r, rows[against], spec.moe_layers))}
                       for n, r in rows.items() if parse_system_name(n).spec.compacts}
-        kept_calls[key] = calls_by
+        kept_calls[key] = {**calls_by, **{warm_key(n): c for n, c in warm_by.items()}}
     bar.close()
     meta = {
         "model": spec.name, "moe_layers": spec.moe_layers, "gpus": W,
@@ -161,6 +173,7 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
         "network_budget": cfg.network_budget, "network_bytes": cfg.network_bytes,
         "objective": {"objective": cfg.backward.objective, "drop_cost": cfg.backward.drop_cost,
                       "min_ratio": cfg.backward.min_ratio},
+        "warm_phase": {"share": cfg.warm_share, "ratio": cfg.backward.warm_ratio} if cfg.warm_share else None,
         "planning_reference": reference.source,
         "planning_shape": reference.per_call_ms(spec.num_experts, W)[1],
         "target_steps_static": cfg.target_steps,
@@ -182,7 +195,8 @@ def project(cfgs: list[SimConfig], out: Path, progress: bool = True, plots: bool
         results[cfg.model] = doc
         cap = max(doc["caps"], key=float)
         bandwidth[cfg.model] = {
-            name: {g: time_to_target(row, calls[cap][name], cfg, cfg.hardware.with_link_gbps(g))
+            name: {g: time_to_target(row, calls[cap][name], cfg, cfg.hardware.with_link_gbps(g),
+                                     calls[cap].get(warm_key(name)))
                    for g in BANDWIDTHS_GBPS}
             for name, row in doc["caps"][cap].items()}
         doc["meta"]["bandwidth_sensitivity"] = {

@@ -8,6 +8,7 @@ a step's memory (:meth:`step_bytes`) for them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lrmoe.planning.replica_search import replica_candidates
@@ -68,14 +69,19 @@ def best_symi(candidates: list[dict], cap: int) -> tuple[dict, str]:
                   f"tried {tried})")
 
 
-def lrmoe_at_cap(proj: Projection, cap: int, ratio: float) -> tuple[list[list[LayerCall]] | None, str, dict]:
+def lrmoe_at_cap(proj: Projection, cap: int, ratio: float, warm: bool = False
+                 ) -> tuple[list[list[LayerCall]] | None, str, dict]:
     """lrmoe at the largest per-layer budget M whose whole step fits ``cap``
     (:func:`budgeted_at_cap`), its replicas its controller's cost search (or symi's default count
-    with ``--lrmoe-slots fixed``). Returns (calls or None, note, search)."""
+    with ``--lrmoe-slots fixed``); ``warm``: its warm phase (the warm ratio, no time objective).
+    Returns (calls or None, note, search)."""
     cfg = proj.cfg
     fixed = default_slots(proj) if cfg.lrmoe_slots == LRMOE_SLOTS_FIXED else None
+    backward = replace(cfg.backward, objective="memory") if warm else cfg.backward
+    if warm:
+        ratio = min(ratio, cfg.backward.warm_ratio)
     kw = dict(ratio=ratio, slots=fixed, selection=cfg.selection, network_bytes=cfg.network_bytes,
-              link_gbps=cfg.link_gbps, backward=cfg.backward)
+              link_gbps=cfg.link_gbps, backward=backward)
     return budgeted_at_cap(proj, TRIMMING_SYSTEM, cap, kw)
 
 

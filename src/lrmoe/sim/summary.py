@@ -1,6 +1,8 @@
 """One system's simulated calls as a results row: step time (device, host), memory, kept ratio
-(:func:`summarise`), its steps to target from the measured runs and the time to target under the
-cap (:func:`result_row`), and that time re-costed on other hardware (:func:`time_to_target`)."""
+(:func:`summarise`; with a warm phase, the two phases' figures weighted by their share of the
+steps, :func:`with_warm_phase`), its steps to target from the measured runs and the time to
+target under the cap (:func:`result_row`), and that time re-costed on other hardware
+(:func:`time_to_target`)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,42 @@ def summarise(calls: list[list[LayerCall]], cfg: SimConfig, hw: Hardware) -> dic
     }
 
 
+# per-step figures a warm phase weights by its share of the steps; memory and copies take the larger
+_PER_STEP = ("step_ms", "device_step_ms", "host_ms", "host_total_ms", "host_deferred_ms", "host_live_ms",
+             "kept_ratio", "replicas_per_layer")
+_LARGEST = ("peak_expert_side_bytes", "step_peak_bytes", "copies_per_rank")
+
+
+def with_warm_phase(trimmed: dict, warm: dict, share: float) -> dict:
+    """:func:`summarise`'s row of a run whose first ``share`` of steps are ``warm``'s (lrmoe's
+    warm phase, BackwardConfig.trim_after) and the rest ``trimmed``'s: per-step figures, per-phase
+    layer times, keep modes and planner calls weighted by the steps, memory the larger of the
+    two (both phases must fit), the one-time planning both phases' (each plans once); the
+    phases' own step time and kept ratio under ``warm_phase``."""
+    def mixed(a: float, b: float) -> float:
+        return share * b + (1 - share) * a
+
+    def mixed_dict(a: dict, b: dict) -> dict:
+        return {k: mixed(a.get(k, 0.0), b.get(k, 0.0)) for k in sorted(a.keys() | b.keys())}
+
+    row = dict(trimmed)
+    row.update({k: mixed(trimmed[k], warm[k]) for k in _PER_STEP})
+    row.update({k: max(trimmed[k], warm[k]) for k in _LARGEST})
+    row["host_once_ms"] = trimmed["host_once_ms"] + warm["host_once_ms"]
+    for k in ("layer_ms", "keep_modes", "planner_calls_per_layer_call"):
+        row[k] = mixed_dict(trimmed[k], warm[k])
+    row["warm_phase"] = {"share": share, "step_ms": warm["step_ms"], "kept_ratio": warm["kept_ratio"],
+                         "trimmed_step_ms": trimmed["step_ms"], "trimmed_kept_ratio": trimmed["kept_ratio"]}
+    return row
+
+
+def _summarise_phases(calls: list[list[LayerCall]], cfg: SimConfig, hw: Hardware,
+                      warm: list[list[LayerCall]] | None) -> dict:
+    """:func:`summarise` of ``calls``, with ``warm``'s (a warm phase) weighted in where given."""
+    row = summarise(calls, cfg, hw)
+    return row if warm is None else with_warm_phase(row, summarise(warm, cfg, hw), cfg.warm_share)
+
+
 def steps_ratio(name: str, row: dict, target: StepsToTarget) -> tuple[float | None, str]:
     """(steps to target × the reference's, where it comes from) of one row: exact backwards take
     the reference's steps, a forward drop its measured ratio, a selective backward the measured
@@ -72,21 +110,23 @@ def steps_ratio(name: str, row: dict, target: StepsToTarget) -> tuple[float | No
     return target.lrmoe_steps(parsed.selection or "lrm", row["kept_ratio"], kind)
 
 
-def time_to_target(row: dict, calls: list[list[LayerCall]] | None, cfg: SimConfig, hw: Hardware
-                   ) -> float | None:
-    """MoE time to target of a simulated row on other hardware (same plans, same steps)."""
+def time_to_target(row: dict, calls: list[list[LayerCall]] | None, cfg: SimConfig, hw: Hardware,
+                   warm: list[list[LayerCall]] | None = None) -> float | None:
+    """MoE time to target of a simulated row on other hardware (same plans, same steps;
+    ``warm``: its warm phase's calls)."""
     if calls is None or row.get("status") != "ok":
         return None
-    return summarise(calls, cfg, hw)["step_ms"] / 1e3 * row["steps_to_target"]
+    return _summarise_phases(calls, cfg, hw, warm)["step_ms"] / 1e3 * row["steps_to_target"]
 
 
 def result_row(name: str, calls: list[list[LayerCall]] | None, cfg: SimConfig, cap: int, target: StepsToTarget,
-               note: str | None) -> dict:
-    """``results.json``'s row of one system at one cap (``infeasible`` where no calls ran)."""
+               note: str | None, warm: list[list[LayerCall]] | None = None) -> dict:
+    """``results.json``'s row of one system at one cap (``infeasible`` where no calls ran;
+    ``warm``: the calls of its warm phase, :func:`with_warm_phase`)."""
     if calls is None:
         return {"moe_time_to_target_s": None, "step_ms": None, "peak_expert_side_bytes": None,
                 "status": "infeasible", "note": note}
-    row = summarise(calls, cfg, cfg.hw)
+    row = _summarise_phases(calls, cfg, cfg.hw, warm)
     ratio, how = steps_ratio(name, row, target)
     row["steps_ratio"] = ratio
     row["steps_to_target"] = None if ratio is None else ratio * cfg.target_steps
