@@ -169,11 +169,11 @@ class BackwardConfig:
     1 + ``drop_cost`` · (share of pairs dropped) down to ``min_ratio`` (the convergence study's
     fit, docs/convergence.md), while each call's GEMM work shrinks with its kept rows. It
     applies to the compacting systems, whose GEMMs shrink. ``trim_after``: the first
-    ``trim_after`` optimizer steps keep every pair the memory and the network allow (no ratio,
-    no balance, no time objective): trimming while the router and the experts take shape costs
-    steps that the same trimming later does not (docs/convergence.md "When to trim").
-    ``warm_ratio``: the fixed-ratio quota of those first steps (1, the default, keeps every
-    pair); a ratio the study found free in steps trims them too, by that ratio alone.
+    ``trim_after`` optimizer steps keep every pair the memory, the network and ``warm_ratio``
+    allow (not ``ratio``, no balance, no time objective): trimming while the router and the
+    experts take shape costs steps that the same trimming later does not (docs/convergence.md
+    "When to trim"). ``warm_ratio``: the fixed-ratio quota of those first steps (1, the
+    default, keeps every pair); a ratio the study found free in steps trims them too.
     """
 
     selection: str = "local-sampled"
