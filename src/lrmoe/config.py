@@ -7,7 +7,7 @@ not deep inside a collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -211,6 +211,15 @@ class BackwardConfig:
         if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:
             raise _bad("trim_after", self.trim_after, "expected an integer >= 0 (optimizer steps before trimming)")
         _fraction("warm_ratio", self.warm_ratio)
+
+    def at_step(self, steps: int) -> BackwardConfig:
+        """The config a layer's backward follows after ``steps`` optimizer steps: this one, or
+        within the first ``trim_after`` its :meth:`warm_phase`."""
+        return self if steps >= self.trim_after else self.warm_phase()
+
+    def warm_phase(self) -> BackwardConfig:
+        """The warm steps' config: ``warm_ratio`` as the ratio, no balance, the memory objective."""
+        return replace(self, ratio=self.warm_ratio, balance=None, objective="memory", trim_after=0)
 
     @property
     def local(self) -> bool:

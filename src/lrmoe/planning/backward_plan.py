@@ -58,17 +58,15 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     counts_E = plan.counts_SE.sum(0)
     kept_capacity_R = None if planner.controller is None else \
         planner.controller.kept_capacity(placement, int(counts_E.sum()))
-    # past the warm phase (BackwardConfig.trim_after) the backward may trim beyond what memory
-    # and the network force; within it, it keeps every pair they and the warm ratio allow
-    trims = planner.steps >= planner.backward.trim_after
-    quota_E = quotas(planner, counts_E, placement, kept_capacity_R, plan.assignment, trims)
+    cfg = planner.backward.at_step(planner.steps)  # the warm phase's within trim_after steps
+    quota_E = quotas(planner, cfg, counts_E, placement, kept_capacity_R, plan.assignment)
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
         def keep_of(q_E: torch.Tensor) -> str:
             return planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
 
-        if planner.backward.objective == "time" and trims:
-            quota_E, keep = fastest_quotas(counts_E, plan.assignment.rows_ER(), quota_E, keep_of, planner.backward)
+        if cfg.objective == "time":
+            quota_E, keep = fastest_quotas(counts_E, plan.assignment.rows_ER(), quota_E, keep_of, cfg)
         else:
             keep = keep_of(quota_E)
     strata = kept_assignment = None
@@ -79,17 +77,15 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment)
 
 
-def quotas(planner: LayerPlanner, counts_E: torch.Tensor, placement: Placement, cap_R: list[int] | None,
-           rows: PairAssignment | None = None, trims: bool = True) -> torch.Tensor:
-    """The controller's max–min fair quotas capped by the ratio's, or the ratio's alone
-    (``rows``: the forward's assignment, which spares the solve where it keeps every pair).
-    ``trims`` False (the warm phase): the warm ratio's capped by the controller's, every pair
-    memory, the network and that ratio allow."""
-    cfg = planner.backward
-    quota_E = fixed_ratio_quota(counts_E, cfg.ratio if trims else cfg.warm_ratio)
+def quotas(planner: LayerPlanner, cfg: BackwardConfig, counts_E: torch.Tensor, placement: Placement,
+           cap_R: list[int] | None, rows: PairAssignment | None = None) -> torch.Tensor:
+    """The controller's max–min fair quotas capped by ``cfg``'s ratio (and its demand-side
+    balance), or the ratio's alone (``rows``: the forward's assignment, which spares the solve
+    where it keeps every pair)."""
+    quota_E = fixed_ratio_quota(counts_E, cfg.ratio)
     if planner.controller is not None:
         quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
-    if trims and cfg.balance is not None:
+    if cfg.balance is not None:
         quota_E = torch.minimum(quota_E, demand_balanced(counts_E, placement, cfg))
     return quota_E
 

@@ -8,7 +8,6 @@ a step's memory (:meth:`step_bytes`) for them.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lrmoe.planning.replica_search import replica_candidates
@@ -77,9 +76,9 @@ def lrmoe_at_cap(proj: Projection, cap: int, ratio: float, warm: bool = False
     Returns (calls or None, note, search)."""
     cfg = proj.cfg
     fixed = default_slots(proj) if cfg.lrmoe_slots == LRMOE_SLOTS_FIXED else None
-    backward = replace(cfg.backward, objective="memory") if warm else cfg.backward
-    if warm:
-        ratio = min(ratio, cfg.backward.warm_ratio)
+    backward = cfg.backward.warm_phase() if warm else cfg.backward
+    if warm:  # --ratios caps every phase
+        ratio = min(ratio, backward.ratio)
     kw = dict(ratio=ratio, slots=fixed, selection=cfg.selection, network_bytes=cfg.network_bytes,
               link_gbps=cfg.link_gbps, backward=backward)
     return budgeted_at_cap(proj, TRIMMING_SYSTEM, cap, kw)
