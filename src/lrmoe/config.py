@@ -174,6 +174,9 @@ class BackwardConfig:
     experts take shape costs steps that the same trimming later does not (docs/convergence.md
     "When to trim"). ``warm_ratio``: the fixed-ratio quota of those first steps (1, the
     default, keeps every pair); a ratio the study found free in steps trims them too.
+    ``min_ratio_after``: ((step, ratio), ...) in increasing steps: from that optimizer step on,
+    ``min_ratio`` is that ratio — the estimator's noise at a fixed ratio falls as training goes
+    on (docs/convergence.md "Noise by training step"), so a later floor may be lower.
     """
 
     selection: str = "local-sampled"
@@ -188,6 +191,7 @@ class BackwardConfig:
     drop_cost: float = 0.13  # docs/convergence.md: configs/paper.toml's model, 3 seeds, fit over ρ in [0.5, 1]
     trim_after: int = 0
     warm_ratio: float = 1.0
+    min_ratio_after: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -211,11 +215,16 @@ class BackwardConfig:
         if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:
             raise _bad("trim_after", self.trim_after, "expected an integer >= 0 (optimizer steps before trimming)")
         _fraction("warm_ratio", self.warm_ratio)
+        object.__setattr__(self, "min_ratio_after", _step_ratios("min_ratio_after", self.min_ratio_after))
 
     def at_step(self, steps: int) -> BackwardConfig:
-        """The config a layer's backward follows after ``steps`` optimizer steps: this one, or
-        within the first ``trim_after`` its :meth:`warm_phase`."""
-        return self if steps >= self.trim_after else self.warm_phase()
+        """The config a layer's backward follows after ``steps`` optimizer steps: within the first
+        ``trim_after`` its :meth:`warm_phase`, after them this one with the floor
+        ``min_ratio_after`` sets by then."""
+        if steps < self.trim_after:
+            return self.warm_phase()
+        floors = [ratio for step, ratio in self.min_ratio_after if steps >= step]
+        return replace(self, min_ratio=floors[-1], min_ratio_after=()) if floors else self
 
     def warm_phase(self) -> BackwardConfig:
         """The warm steps' config: ``warm_ratio`` as the ratio, no balance, the memory objective."""
@@ -225,6 +234,16 @@ class BackwardConfig:
     def local(self) -> bool:
         """Each rank keeps a share of q_e fixed by the counts: no exchange before the rows."""
         return self.selection in LOCAL_SELECTIONS
+
+
+def _step_ratios(field: str, value: object) -> tuple[tuple[int, float], ...]:
+    """((step, ratio), ...) with steps >= 0 increasing and ratios in (0, 1], from any sequence of pairs."""
+    pairs = tuple(tuple(p) for p in value) if isinstance(value, (list, tuple)) and \
+        all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value) else None
+    if pairs is None or not all(is_int_at_least(s, 0) and _is_number(r) and 0 < r <= 1 for s, r in pairs) \
+            or any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
+        raise _bad(field, value, "expected [[step, ratio], ...]: steps >= 0 increasing, ratios in (0, 1]")
+    return tuple((int(s), float(r)) for s, r in pairs)
 
 
 def _per_rank(field: str, value: object, world: int, minimum: int) -> list[int] | None:

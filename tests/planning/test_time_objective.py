@@ -207,3 +207,32 @@ def test_a_bad_trim_after_is_refused(value):
 def test_a_bad_warm_ratio_is_refused(value):
     with pytest.raises(ValueError, match="warm_ratio"):
         BackwardConfig(warm_ratio=value)
+
+
+def test_min_ratio_after_lowers_the_time_objectives_floor_from_its_steps():
+    """The floor follows ``min_ratio_after`` from each listed optimizer step on: the time
+    objective (no step cost) trims to 0.75 during step 0, to 0.5 from step 1, to 0.25 from 3."""
+    cfg = MoEConfig(**QWEN)
+    sd, x, g = make_problem(cfg, 64, 5, "hot_expert")
+    backward = BackwardConfig(objective="time", drop_cost=0.0, min_ratio=0.75, min_ratio_after=[[1, 0.5], [3, 0.25]])
+    layer = MoELayer(cfg, system="lrmoe", backward=backward)
+    layer.load_full_state_dict(sd)
+    for expected in (0.75, 0.5, 0.5, 0.25, 0.25):
+        layer(x.clone().requires_grad_(True)).backward(g)
+        s = layer.last_stats
+        assert torch.equal(s["kept_E"], fixed_ratio_quota(s["counts_E"], expected))
+        layer.step_end()
+
+
+def test_min_ratio_after_waits_for_the_warm_steps():
+    warm = BackwardConfig(objective="time", trim_after=5, warm_ratio=0.75, min_ratio_after=((2, 0.3),))
+    assert warm.at_step(4) == warm.warm_phase() and warm.at_step(4).ratio == 0.75
+    assert warm.at_step(5).min_ratio == 0.3 and warm.at_step(5).objective == "time"
+    assert BackwardConfig(min_ratio_after=[[0, 0.4]]).min_ratio_after == ((0, 0.4),)  # TOML's lists taken
+
+
+@pytest.mark.parametrize("value", [[[1, 0]], [[1, 1.5]], [[-1, 0.5]], [[2, 0.5], [2, 0.4]], [[3, 0.5], [1, 0.4]],
+                                   [1, 0.5], [[True, 0.5]], "1"])
+def test_a_bad_min_ratio_after_is_refused(value):
+    with pytest.raises(ValueError, match="min_ratio_after"):
+        BackwardConfig(min_ratio_after=value)

@@ -80,9 +80,9 @@ class SimConfig:
                 or not 0 <= self.warm_share < 1:
             raise SimError(f"--warm-share={self.warm_share!r} is invalid: expected a number in [0, 1) "
                            f"(the share of lrmoe's steps before it trims)")
-        if self.backward.trim_after:
-            raise SimError("the projection's warm phase is a share of the steps (--warm-share), not "
-                           "BackwardConfig.trim_after")
+        if self.backward.trim_after or self.backward.min_ratio_after:
+            raise SimError("the projection's phases are a share of the steps (--warm-share), not "
+                           "BackwardConfig.trim_after or min_ratio_after")
         if self.network_budget is not None and not (self.network_budget > 0):
             raise SimError(f"--network-budget={self.network_budget!r} is invalid: expected a number > 0 "
                            f"(0 on the command line: none)")
