@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lrmoe.validation import bad, fraction, ints_per_rank, is_int_at_least, is_number, positive_int, step_ratios
+
 ROUTERS = ("softmax", "sigmoid")
 SELECTIONS = ("lrm", "random", "local", "sampled", "local-sampled")
 # Selections with no exchange: every rank's share of q_e, and where each kept pair is computed,
@@ -23,39 +25,14 @@ OBJECTIVES = ("memory", "time")  # what the controller's quotas minimise beyond 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _bad(field: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"{field}={value!r} is invalid: {allowed}")
-
-
-def is_int_at_least(value: object, minimum: int) -> bool:
-    """``value`` is an int (not a bool) >= ``minimum``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def positive_int(field: str, value: object) -> None:
-    """Raise a ValueError naming ``field`` unless ``value`` is an int >= 1 (bools are not)."""
-    if not is_int_at_least(value, 1):
-        raise _bad(field, value, "expected an integer >= 1")
-
-
-def _is_number(value: object) -> bool:
-    """An int or a float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _fraction(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise _bad(field, value, "expected a number in (0, 1]")
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a config dtype (a name such as ``"bfloat16"`` or a ``torch.dtype``) to a ``torch.dtype``."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise _bad("dtype", dtype, f"expected one of {sorted(_DTYPES)}")
+            raise bad("dtype", dtype, f"expected one of {sorted(_DTYPES)}")
         return dtype
     if dtype not in _DTYPES:
-        raise _bad("dtype", dtype, f"expected one of {sorted(_DTYPES)}")
+        raise bad("dtype", dtype, f"expected one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -95,40 +72,40 @@ class MoEConfig:
         for name in ("dim", "ffn_dim", "num_experts", "top_k", "n_group", "topk_group"):
             positive_int(name, getattr(self, name))
         if self.top_k > self.num_experts:
-            raise _bad("top_k", self.top_k, f"expected 1 <= top_k <= num_experts={self.num_experts}")
+            raise bad("top_k", self.top_k, f"expected 1 <= top_k <= num_experts={self.num_experts}")
         if self.router not in ROUTERS:
-            raise _bad("router", self.router, f"expected one of {ROUTERS}")
+            raise bad("router", self.router, f"expected one of {ROUTERS}")
         if not isinstance(self.norm_topk_prob, bool):
-            raise _bad("norm_topk_prob", self.norm_topk_prob, "expected a bool")
+            raise bad("norm_topk_prob", self.norm_topk_prob, "expected a bool")
         if not (self.routed_scaling_factor > 0):
-            raise _bad("routed_scaling_factor", self.routed_scaling_factor, "expected a number > 0")
+            raise bad("routed_scaling_factor", self.routed_scaling_factor, "expected a number > 0")
         if self.num_experts % self.n_group:
-            raise _bad("n_group", self.n_group, f"expected a divisor of num_experts={self.num_experts}")
+            raise bad("n_group", self.n_group, f"expected a divisor of num_experts={self.num_experts}")
         if self.topk_group > self.n_group:
-            raise _bad("topk_group", self.topk_group, f"expected <= n_group={self.n_group}")
+            raise bad("topk_group", self.topk_group, f"expected <= n_group={self.n_group}")
         if self.n_group > 1:
             if self.router != "sigmoid":
-                raise _bad("n_group", self.n_group, "group-limited choice needs router='sigmoid'")
+                raise bad("n_group", self.n_group, "group-limited choice needs router='sigmoid'")
             per_group = self.num_experts // self.n_group
             if per_group < 2:
-                raise _bad("n_group", self.n_group, "each group needs >= 2 experts (top-2 group score)")
+                raise bad("n_group", self.n_group, "each group needs >= 2 experts (top-2 group score)")
             if self.top_k > self.topk_group * per_group:
-                raise _bad(
+                raise bad(
                     "top_k", self.top_k, f"expected <= topk_group * experts per group = "
                     f"{self.topk_group * per_group}"
                 )
         if not is_int_at_least(self.num_shared_experts, 0):
-            raise _bad("num_shared_experts", self.num_shared_experts, "expected an integer >= 0")
+            raise bad("num_shared_experts", self.num_shared_experts, "expected an integer >= 0")
         if self.shared_ffn_dim is not None:
             positive_int("shared_ffn_dim", self.shared_ffn_dim)
         if not isinstance(self.shared_expert_gate, bool):
-            raise _bad("shared_expert_gate", self.shared_expert_gate, "expected a bool")
+            raise bad("shared_expert_gate", self.shared_expert_gate, "expected a bool")
         if self.shared_expert_gate and not self.num_shared_experts:
-            raise _bad("shared_expert_gate", self.shared_expert_gate, "a gate needs num_shared_experts >= 1")
+            raise bad("shared_expert_gate", self.shared_expert_gate, "a gate needs num_shared_experts >= 1")
         for name in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
-                raise _bad(name, value, "expected a number >= 0")
+                raise bad(name, value, "expected a number >= 0")
         resolve_dtype(self.dtype)
 
     @property
@@ -195,27 +172,27 @@ class BackwardConfig:
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
-            raise _bad("selection", self.selection, f"expected one of {SELECTIONS}")
-        _fraction("ratio", self.ratio)
-        _fraction("p_min", self.p_min)
+            raise bad("selection", self.selection, f"expected one of {SELECTIONS}")
+        fraction("ratio", self.ratio)
+        fraction("p_min", self.p_min)
         if isinstance(self.score_power, bool) or not isinstance(self.score_power, (int, float)) \
                 or not 0 <= self.score_power <= 2:
-            raise _bad("score_power", self.score_power, "expected a number in [0, 2]")
+            raise bad("score_power", self.score_power, "expected a number in [0, 2]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise _bad("seed", self.seed, "expected an integer")
+            raise bad("seed", self.seed, "expected an integer")
         if self.keep is not None and self.keep not in KEEP_MODES:
-            raise _bad("keep", self.keep, f"expected None or one of {KEEP_MODES}")
-        if self.balance is not None and not (_is_number(self.balance) and self.balance >= 0):
-            raise _bad("balance", self.balance, "expected None or a number >= 0 (the overload over the mean allowed)")
-        _fraction("min_ratio", self.min_ratio)
+            raise bad("keep", self.keep, f"expected None or one of {KEEP_MODES}")
+        if self.balance is not None and not (is_number(self.balance) and self.balance >= 0):
+            raise bad("balance", self.balance, "expected None or a number >= 0 (the overload over the mean allowed)")
+        fraction("min_ratio", self.min_ratio)
         if self.objective not in OBJECTIVES:
-            raise _bad("objective", self.objective, f"expected one of {OBJECTIVES}")
-        if not (_is_number(self.drop_cost) and self.drop_cost >= 0):
-            raise _bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
+            raise bad("objective", self.objective, f"expected one of {OBJECTIVES}")
+        if not (is_number(self.drop_cost) and self.drop_cost >= 0):
+            raise bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
         if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:
-            raise _bad("trim_after", self.trim_after, "expected an integer >= 0 (optimizer steps before trimming)")
-        _fraction("warm_ratio", self.warm_ratio)
-        object.__setattr__(self, "min_ratio_after", _step_ratios("min_ratio_after", self.min_ratio_after))
+            raise bad("trim_after", self.trim_after, "expected an integer >= 0 (optimizer steps before trimming)")
+        fraction("warm_ratio", self.warm_ratio)
+        object.__setattr__(self, "min_ratio_after", step_ratios("min_ratio_after", self.min_ratio_after))
 
     def at_step(self, steps: int) -> BackwardConfig:
         """The config a layer's backward follows after ``steps`` optimizer steps: within the first
@@ -234,28 +211,6 @@ class BackwardConfig:
     def local(self) -> bool:
         """Each rank keeps a share of q_e fixed by the counts: no exchange before the rows."""
         return self.selection in LOCAL_SELECTIONS
-
-
-def _step_ratios(field: str, value: object) -> tuple[tuple[int, float], ...]:
-    """((step, ratio), ...) with steps >= 0 increasing and ratios in (0, 1], from any sequence of pairs."""
-    pairs = tuple(tuple(p) for p in value) if isinstance(value, (list, tuple)) and \
-        all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value) else None
-    if pairs is None or not all(is_int_at_least(s, 0) and _is_number(r) and 0 < r <= 1 for s, r in pairs) \
-            or any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
-        raise _bad(field, value, "expected [[step, ratio], ...]: steps >= 0 increasing, ratios in (0, 1]")
-    return tuple((int(s), float(r)) for s, r in pairs)
-
-
-def _per_rank(field: str, value: object, world: int, minimum: int) -> list[int] | None:
-    if value is None:
-        return None
-    values = [value] * world if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(values, (list, tuple)) or len(values) != world:
-        raise _bad(field, value, f"expected one int for all ranks or a list of {world} (one per rank)")
-    for v in values:
-        if not is_int_at_least(v, minimum):
-            raise _bad(field, value, f"expected integers >= {minimum}")
-    return list(values)
 
 
 @dataclass(frozen=True)
@@ -291,29 +246,29 @@ class ClusterBudget:
             if value is None:
                 continue
             if isinstance(value, (list, tuple)):
-                _per_rank(name, value, len(value), minimum)
+                ints_per_rank(name, value, len(value), minimum)
             else:
-                _per_rank(name, value, 1, minimum)
+                ints_per_rank(name, value, 1, minimum)
         if self.network_fraction is not None:
-            if not (_is_number(self.network_fraction) and self.network_fraction > 0):
-                raise _bad("network_fraction", self.network_fraction, "expected a number > 0 (of a balanced "
+            if not (is_number(self.network_fraction) and self.network_fraction > 0):
+                raise bad("network_fraction", self.network_fraction, "expected a number > 0 (of a balanced "
                            "rank's keep-nothing backward bytes)")
             if self.network_bytes is not None:
-                raise _bad("network_fraction", self.network_fraction, "expected network_bytes or network_fraction, "
+                raise bad("network_fraction", self.network_fraction, "expected network_bytes or network_fraction, "
                            "not both")
         if self.ranks_per_node is not None:
-            _per_rank("ranks_per_node", self.ranks_per_node, 1, 1)
+            ints_per_rank("ranks_per_node", self.ranks_per_node, 1, 1)
         for name in ("intra_node_gbps", "inter_node_gbps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise _bad(name, value, "expected a number > 0 (Gbit/s)")
+                raise bad(name, value, "expected a number > 0 (Gbit/s)")
 
     def per_rank(self, world: int) -> tuple[list[int] | None, list[int] | None, list[int] | None]:
         """(memory, network, slots) as one value per rank; lists must have ``world`` entries."""
         return (
-            _per_rank("memory_bytes", self.memory_bytes, world, 1),
-            _per_rank("network_bytes", self.network_bytes, world, 1),
-            _per_rank("slots", self.slots, world, 1),
+            ints_per_rank("memory_bytes", self.memory_bytes, world, 1),
+            ints_per_rank("network_bytes", self.network_bytes, world, 1),
+            ints_per_rank("slots", self.slots, world, 1),
         )
 
     def node_of(self, world: int) -> list[int] | None:
@@ -321,5 +276,5 @@ class ClusterBudget:
         if self.ranks_per_node is None:
             return None
         if world % self.ranks_per_node:
-            raise _bad("ranks_per_node", self.ranks_per_node, f"expected a divisor of the world size {world}")
+            raise bad("ranks_per_node", self.ranks_per_node, f"expected a divisor of the world size {world}")
         return [r // self.ranks_per_node for r in range(world)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig, positive_int
+from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.experts import GroupedExperts, SwiGLU
 from lrmoe.parallel import comm, sharding
 from lrmoe.parallel.comm import Group
@@ -24,6 +24,7 @@ from lrmoe.planning.planner import LayerPlanner
 from lrmoe.router import Router, aux_losses
 from lrmoe.selection.streams import SelectionStreams
 from lrmoe.systems import DEFAULT_SYSTEM, PlacementKind, names_where, spec_of
+from lrmoe.validation import positive_int
 
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 

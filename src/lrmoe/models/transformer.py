@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lrmoe.config import MoEConfig, positive_int
+from lrmoe.config import MoEConfig
 from lrmoe.experts import SwiGLU
 from lrmoe.layer import MoELayer, moe_layers
+from lrmoe.validation import positive_int
 
 
 @dataclass(frozen=True)

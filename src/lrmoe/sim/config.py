@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lrmoe.config import SELECTIONS, BackwardConfig, is_int_at_least
+from lrmoe.config import SELECTIONS, BackwardConfig
 from lrmoe.memory.bytes import expert_param_bytes
 from lrmoe.sim.budget import GIB
 from lrmoe.sim.errors import SimError
@@ -16,6 +16,7 @@ from lrmoe.sim.hardware import H200, Hardware
 from lrmoe.sim.models import MODELS, ModelSpec
 from lrmoe.sim.trace import load_trace, pick_layers, rescale_counts, zipf_counts
 from lrmoe.systems import REFERENCE_SYSTEM, REPLICATED_BASELINE
+from lrmoe.validation import is_int_at_least
 
 DTYPE_BYTES = 2  # bf16
 # --lrmoe-slots: the controller's per-step cost search, or the replicated baseline's default

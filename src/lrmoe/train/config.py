@@ -13,11 +13,12 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig, is_int_at_least
+from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.models import ModelConfig
 from lrmoe.systems import COMPARE_DEFAULT, DEFAULT_SYSTEM, REFERENCE_SYSTEM, SYSTEMS, SystemName, names_where, spec_of
 from lrmoe.systems import parse_system_name as _parse_system_name
 from lrmoe.train.data import DEFAULT_CORPUS
+from lrmoe.validation import is_int_at_least
 
 # what [model] still sets when train.hf_model names a transformers checkpoint: the window length
 HF_MODEL_KEYS = {"seq_len"}
