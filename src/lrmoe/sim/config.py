@@ -16,7 +16,7 @@ from lrmoe.sim.hardware import H200, Hardware
 from lrmoe.sim.models import MODELS, ModelSpec
 from lrmoe.sim.trace import load_trace, pick_layers, rescale_counts, zipf_counts
 from lrmoe.systems import REFERENCE_SYSTEM, REPLICATED_BASELINE
-from lrmoe.validation import is_int_at_least
+from lrmoe.validation import is_int_at_least, is_number
 
 DTYPE_BYTES = 2  # bf16
 # --lrmoe-slots: the controller's per-step cost search, or the replicated baseline's default
@@ -77,8 +77,7 @@ class SimConfig:
                            f"{LRMOE_SLOTS_SEARCH!r} or {LRMOE_SLOTS_FIXED!r}")
         if self.selection not in SELECTIONS:
             raise SimError(f"--selection={self.selection!r} is invalid: expected one of {SELECTIONS}")
-        if isinstance(self.warm_share, bool) or not isinstance(self.warm_share, (int, float)) \
-                or not 0 <= self.warm_share < 1:
+        if not (is_number(self.warm_share) and 0 <= self.warm_share < 1):
             raise SimError(f"--warm-share={self.warm_share!r} is invalid: expected a number in [0, 1) "
                            f"(the share of lrmoe's steps before it trims)")
         if self.backward.trim_after or self.backward.min_ratio_after:
