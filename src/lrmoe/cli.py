@@ -161,6 +161,17 @@ def _floats(flag: str, text: str) -> tuple[float, ...]:
         raise SimError(f"--{flag}={text!r} is invalid: expected comma-separated numbers") from None
 
 
+def _share_floors(text: str) -> tuple[tuple[float, float], ...]:
+    """``--late-floor``'s SHARE:FLOOR pairs (SimConfig checks their values)."""
+    from lrmoe.sim.errors import SimError
+
+    try:
+        return tuple((float(a), float(b)) for a, b in (v.split(":") for v in text.split(",") if v.strip()))
+    except ValueError:
+        raise SimError(f"--late-floor={text!r} is invalid: expected SHARE:FLOOR pairs, comma-separated, "
+                       f"e.g. 0.6:0.3") from None
+
+
 def cmd_simulate(args: argparse.Namespace) -> None:
     """Paper-scale projection (docs/simulation.md); bad input exits 2 with one line."""
     from lrmoe.sim.config import SimConfig
@@ -178,7 +189,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                           network_budget=args.network_budget or None, convergence=args.convergence,
                           backward=BackwardConfig(objective=args.objective, drop_cost=args.drop_cost,
                                                   min_ratio=args.min_ratio, warm_ratio=args.warm_ratio),
-                          warm_share=args.warm_share,
+                          warm_share=args.warm_share, late_floors=_share_floors(args.late_floor),
                           planning=args.planning) for m in models]
         out = Path(args.out)
         project(cfgs, out, progress=not args.quiet)
@@ -261,6 +272,10 @@ def _simulate_parser(sub) -> None:
                          "(default 0: none)")
     sm.add_argument("--warm-ratio", type=float, default=BackwardConfig.warm_ratio,
                     help="the warm phase's kept ratio (default 1: every pair memory and the network allow)")
+    sm.add_argument("--late-floor", default="", metavar="SHARE:FLOOR[,SHARE:FLOOR]",
+                    help="the time objective's later floors (min_ratio_after): from SHARE of "
+                         f"{OURS}'s steps to target on, the floor is FLOOR (configs/paper.toml: step 100 "
+                         "of ~167, 0.6:0.3; default: none)")
     sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--quiet", action="store_true", help="no progress bar")

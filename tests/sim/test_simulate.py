@@ -24,7 +24,7 @@ from lrmoe.sim.host import PlanningReference
 from lrmoe.sim.layer_calls import SystemPlanner
 from lrmoe.sim.memory import RankWork, expert_side_peak
 from lrmoe.sim.report import table_md
-from lrmoe.sim.run import Projection, simulate, warm_key
+from lrmoe.sim.run import Projection, phase_key, simulate, warm_key
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.trace import rescale_counts, split_sources, zipf_counts
 from lrmoe.sim.whatif import what_if, what_if_reference
@@ -185,6 +185,8 @@ def test_cli_writes_table_and_results(tmp_path):
     (["--model", "glm45-air", "--gpus", "8", "--gpu-memory", "4"], "too small"),
     (["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "80,x"], "--gpu-memory"),
     (["--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu-memory", "80", "--trace", "/nonexistent.npz"], "not found"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "80", "--objective", "time", "--late-floor", "0.6"],
+     "--late-floor"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
@@ -405,6 +407,42 @@ def test_a_warm_phase_weights_both_phases_by_their_steps():
     assert row["steps_ratio"] < trimmed["steps_ratio"]  # more pairs kept: read nearer static's steps
     assert calls["60"][warm_key(name)] is not None
     assert doc["meta"]["warm_phase"] == {"share": 0.3, "ratio": 0.75}
+
+
+def test_later_floors_weight_each_phase_by_its_steps():
+    """--late-floor: from its share of lrmoe's steps on, the time objective's floor is the given
+    one; the row weights the warm phase, the main one and each floor's by their steps, and the
+    lower floor keeps fewer pairs."""
+    timed = BackwardConfig(objective="time", drop_cost=0.0)
+    name = "lrmoe-local-sampled"
+
+    def row_of(cfg: SimConfig) -> dict:
+        return simulate(cfg, progress=False)[0]["caps"]["60"][name]
+
+    warm, main, late = (row_of(_small(backward=b)) for b in
+                        (replace(timed, objective="memory"), timed, replace(timed, min_ratio=0.3)))
+    doc, calls = simulate(_small(backward=timed, warm_share=0.2, late_floors=((0.6, 0.3),)), progress=False)
+    row = doc["caps"]["60"][name]
+    assert late["kept_ratio"] < main["kept_ratio"] < warm["kept_ratio"]
+    for key in ("step_ms", "kept_ratio", "host_ms"):
+        assert row[key] == pytest.approx(0.2 * warm[key] + 0.4 * main[key] + 0.4 * late[key])
+    assert [p["phase"] for p in row["phases"]] == ["main", "warm phase", "floor 0.3"]
+    assert [p["share"] for p in row["phases"]] == pytest.approx([0.4, 0.2, 0.4])
+    assert row["warm_phase"]["trimmed_kept_ratio"] == pytest.approx(main["kept_ratio"])
+    assert calls["60"][phase_key(name, "floor 0.3")] is not None
+    assert doc["meta"]["late_floors"] == [{"from_share": 0.6, "floor": 0.3}]
+
+
+@pytest.mark.parametrize("late_floors,objective", [
+    (((0.6, 0.3),), "memory"),     # a floor bounds the time objective only
+    (((0.1, 0.3),), "time"),       # within the warm phase
+    (((0.6, 0.3), (0.5, 0.2)), "time"),  # shares not increasing
+    (((0.6, 1.5),), "time"),
+    (((1.0, 0.3),), "time"),
+])
+def test_bad_later_floors_are_refused(late_floors, objective):
+    with pytest.raises(SimError, match="late-floor"):
+        _small(backward=BackwardConfig(objective=objective), warm_share=0.2, late_floors=late_floors)
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.0, True])

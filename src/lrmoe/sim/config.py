@@ -4,7 +4,7 @@ checked as a user would type them), its check of the caps, and the routing count
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,6 +24,7 @@ DTYPE_BYTES = 2  # bf16
 LRMOE_SLOTS_SEARCH = "search"
 LRMOE_SLOTS_FIXED = REPLICATED_BASELINE
 LRMOE_SLOTS = (LRMOE_SLOTS_SEARCH, LRMOE_SLOTS_FIXED)
+WARM_PHASE = "warm phase"  # the label of lrmoe's warm phase among SimConfig.extra_phases
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class SimConfig:
     # run at backward.warm_ratio with no time objective, the rest as configured; 0: none (every
     # step as configured)
     warm_share: float = 0.0
+    # lrmoe's later floors (BackwardConfig.min_ratio_after) as ((share of its steps from which
+    # on, the time objective's floor), ...), shares increasing and after the warm phase
+    late_floors: tuple[tuple[float, float], ...] = ()
     optimizer_bytes_per_param: float = 12.0
     zipf: float = 0.3
     drift: int = 4
@@ -81,11 +85,28 @@ class SimConfig:
             raise SimError(f"--warm-share={self.warm_share!r} is invalid: expected a number in [0, 1) "
                            f"(the share of lrmoe's steps before it trims)")
         if self.backward.trim_after or self.backward.min_ratio_after:
-            raise SimError("the projection's phases are a share of the steps (--warm-share), not "
-                           "BackwardConfig.trim_after or min_ratio_after")
+            raise SimError("the projection's phases are shares of the steps (--warm-share, --late-floor), "
+                           "not BackwardConfig.trim_after or min_ratio_after")
+        shares = [self.warm_share, *(share for share, _ in self.late_floors)]
+        if self.late_floors and (self.backward.objective != "time" or any(
+                not (is_number(s) and is_number(f) and 0 < f <= 1) for s, f in self.late_floors)
+                or any(not (a < b < 1) for a, b in zip(shares, shares[1:]))):
+            raise SimError(f"--late-floor={self.late_floors!r} is invalid: expected SHARE:FLOOR pairs with "
+                           f"shares increasing in (--warm-share, 1), floors in (0, 1], and --objective time "
+                           f"(a floor bounds the time objective's trimming)")
         if self.network_budget is not None and not (self.network_budget > 0):
             raise SimError(f"--network-budget={self.network_budget!r} is invalid: expected a number > 0 "
                            f"(0 on the command line: none)")
+
+    def extra_phases(self) -> list[tuple[str, float, BackwardConfig]]:
+        """lrmoe's steps outside its main phase (``backward`` as configured) as (label, share of
+        its steps, the backward they follow): the warm phase, then each later floor's steps up to
+        the next floor's (the last: to the target)."""
+        phases = [(WARM_PHASE, self.warm_share, self.backward.warm_phase())] if self.warm_share else []
+        ends = [share for share, _ in self.late_floors[1:]] + [1.0]
+        phases += [(f"floor {floor:g}", end - share, replace(self.backward, min_ratio=floor))
+                   for (share, floor), end in zip(self.late_floors, ends)]
+        return phases
 
     @property
     def spec(self) -> ModelSpec:

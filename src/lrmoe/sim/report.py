@@ -164,12 +164,15 @@ def table_md(results: dict[str, dict]) -> str:
 
 
 def _warm(meta: dict) -> str:
-    """The header's line on lrmoe's warm phase (none: empty)."""
-    warm = meta.get("warm_phase")
-    if not warm:
+    """The header's line on lrmoe's warm phase and later floors (none: empty)."""
+    warm, late = meta.get("warm_phase"), meta.get("late_floors")
+    if not (warm or late):
         return ""
-    return (f" {OURS}'s warm phase: the first {warm['share']:.0%} of its steps at kept ratio ≤ {warm['ratio']:g} "
-            f"with no time objective (its rows: both phases weighted by their steps; memory: the larger).")
+    parts = [f"the first {warm['share']:.0%} of its steps at kept ratio ≤ {warm['ratio']:g} with no time "
+             f"objective"] if warm else []
+    parts += [f"from {f['from_share']:.0%} of its steps on the floor {f['floor']:g}" for f in late or ()]
+    return (f" {OURS}'s phases: {'; '.join(parts)} (its rows: the phases weighted by their steps; memory: "
+            f"the largest).")
 
 
 def write_results(out: Path, results: dict[str, dict]) -> None:

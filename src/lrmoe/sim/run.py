@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lrmoe.config import BackwardConfig
 from lrmoe.sim import search
 from lrmoe.sim.budget import GIB, step_peak_bytes
-from lrmoe.sim.config import DTYPE_BYTES, SimConfig, check_caps, routing_counts
+from lrmoe.sim.config import DTYPE_BYTES, WARM_PHASE, SimConfig, check_caps, routing_counts
 from lrmoe.sim.host import PlanningReference
 from lrmoe.sim.layer_calls import LayerCall, SystemPlanner
 from lrmoe.sim.report import plot_sensitivity, write_results
 from lrmoe.sim.search import BUDGET_TOLERANCE, BUDGET_TRIES, PREFIX_STEPS
-from lrmoe.sim.summary import result_row, summarise, time_to_target
+from lrmoe.sim.summary import Phase, result_row, summarise, time_to_target
 from lrmoe.sim.target import StepsToTarget
 from lrmoe.sim.whatif import what_if, what_if_reference
 from lrmoe.systems import (
@@ -80,10 +81,11 @@ class Projection:
 
     best_symi = staticmethod(search.best_symi)
 
-    def lrmoe(self, cap: int, ratio: float, warm: bool = False) -> tuple[list[list[LayerCall]] | None, str, dict]:
+    def lrmoe(self, cap: int, ratio: float, backward: BackwardConfig | None = None
+              ) -> tuple[list[list[LayerCall]] | None, str, dict]:
         """The trimming system at its largest fitting budget (:func:`lrmoe.sim.search.lrmoe_at_cap`;
-        ``warm``: its warm phase)."""
-        return search.lrmoe_at_cap(self, cap, ratio, warm)
+        ``backward``: one of its phases')."""
+        return search.lrmoe_at_cap(self, cap, ratio, backward)
 
     def fit_exact(self, cap: int, calls_by: dict, notes: dict, extra: dict) -> None:
         """Every system besides lrmoe whose step does not fit ``cap`` uncapped (the replicated
@@ -113,15 +115,28 @@ def lrmoe_name(selection: str, ratio: float) -> str:
     return name if ratio >= 1 else f"{name}@{ratio:g}"
 
 
+def phase_key(name: str, label: str) -> str:
+    """Where :func:`simulate`'s calls keep the calls of ``name``'s phase ``label``
+    (:meth:`SimConfig.extra_phases`)."""
+    return f"{name} ({label})"
+
+
 def warm_key(name: str) -> str:
     """Where :func:`simulate`'s calls keep the warm phase's calls of ``name``."""
-    return f"{name} (warm phase)"
+    return phase_key(name, WARM_PHASE)
+
+
+def phase_calls(cfg: SimConfig, calls: dict, name: str) -> list[Phase] | None:
+    """``name``'s other phases as (label, share, calls) from :func:`simulate`'s calls (None:
+    it has none)."""
+    phases = [(label, share, calls.get(phase_key(name, label))) for label, share, _ in cfg.extra_phases()]
+    return phases if phases and all(c is not None for _, _, c in phases) else None
 
 
 def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
     """Run the projection of one model. Returns ({"meta": ..., "caps": {cap: {system: row}},
     "what_if": {cap: {name: grid}}}, {cap: {system: calls}}), the calls kept for re-costing
-    (link-bandwidth sensitivity; lrmoe's warm phase under :func:`warm_key`)."""
+    (link-bandwidth sensitivity; lrmoe's other phases under :func:`phase_key`)."""
     spec, W = cfg.spec, cfg.gpus
     check_caps(cfg)
     counts, layers, source = routing_counts(cfg)
@@ -145,16 +160,19 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
             {"slots": c["slots"], "step_ms": c["step_ms"], "step_peak_bytes": c["step_peak_bytes"],
              "fits": c["step_peak_bytes"] <= cap} for c in symi_candidates]}
         proj.fit_exact(cap, calls_by, notes, extra)
-        warm_by: dict[str, list[list[LayerCall]] | None] = {}
+        phases_by: dict[str, list[Phase]] = {}
         for ratio in cfg.ratios:
             name = lrmoe_name(cfg.selection, ratio)
             calls_by[name], notes[name], budget_search = proj.lrmoe(cap, ratio)
             extra[name] = {"budget_search": budget_search, "ratio_cap": ratio}
-            if cfg.warm_share and calls_by[name] is not None:  # both phases must fit
-                warm_by[name], warm_note, _ = proj.lrmoe(cap, ratio, warm=True)
-                if warm_by[name] is None:
-                    calls_by[name], notes[name] = None, f"warm phase: {warm_note}"
-        rows = {name: {**result_row(name, calls, cfg, cap, target, notes.get(name), warm_by.get(name)),
+            for label, share, backward in cfg.extra_phases():  # every phase must fit
+                if calls_by[name] is None:
+                    break
+                calls, note, _ = proj.lrmoe(cap, ratio, backward)
+                phases_by.setdefault(name, []).append((label, share, calls))
+                if calls is None:
+                    calls_by[name], notes[name] = None, f"{label}: {note}"
+        rows = {name: {**result_row(name, calls, cfg, cap, target, notes.get(name), phases_by.get(name)),
                        **extra.get(name, {})}
                 for name, calls in calls_by.items()}
         key = f"{cap_gib:g}"
@@ -162,7 +180,8 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
         against = what_if_reference(rows)
         grids[key] = {n: {"against": against, **({} if against is None else what_if(r, rows[against], spec.moe_layers))}
                       for n, r in rows.items() if parse_system_name(n).spec.compacts}
-        kept_calls[key] = {**calls_by, **{warm_key(n): c for n, c in warm_by.items()}}
+        kept_calls[key] = {**calls_by, **{phase_key(n, label): c for n, phases in phases_by.items()
+                                          for label, _, c in phases}}
     bar.close()
     meta = {
         "model": spec.name, "moe_layers": spec.moe_layers, "gpus": W,
@@ -174,6 +193,7 @@ def simulate(cfg: SimConfig, progress: bool = True) -> tuple[dict, dict]:
         "objective": {"objective": cfg.backward.objective, "drop_cost": cfg.backward.drop_cost,
                       "min_ratio": cfg.backward.min_ratio},
         "warm_phase": {"share": cfg.warm_share, "ratio": cfg.backward.warm_ratio} if cfg.warm_share else None,
+        "late_floors": [{"from_share": share, "floor": floor} for share, floor in cfg.late_floors] or None,
         "planning_reference": reference.source,
         "planning_shape": reference.per_call_ms(spec.num_experts, W)[1],
         "target_steps_static": cfg.target_steps,
@@ -196,7 +216,7 @@ def project(cfgs: list[SimConfig], out: Path, progress: bool = True, plots: bool
         cap = max(doc["caps"], key=float)
         bandwidth[cfg.model] = {
             name: {g: time_to_target(row, calls[cap][name], cfg, cfg.hardware.with_link_gbps(g),
-                                     calls[cap].get(warm_key(name)))
+                                     phase_calls(cfg, calls[cap], name))
                    for g in BANDWIDTHS_GBPS}
             for name, row in doc["caps"][cap].items()}
         doc["meta"]["bandwidth_sensitivity"] = {

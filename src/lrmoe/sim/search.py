@@ -19,6 +19,7 @@ from lrmoe.sim.summary import summarise
 from lrmoe.systems import REPLICATED_BASELINE, TRIMMING_SYSTEM
 
 if TYPE_CHECKING:  # the searches run systems through it; only its type is needed here
+    from lrmoe.config import BackwardConfig
     from lrmoe.sim.run import Projection, Run
 
 PREFIX_STEPS = 4  # steps of a trial run in lrmoe's budget search (replicas exist from the second)
@@ -68,17 +69,16 @@ def best_symi(candidates: list[dict], cap: int) -> tuple[dict, str]:
                   f"tried {tried})")
 
 
-def lrmoe_at_cap(proj: Projection, cap: int, ratio: float, warm: bool = False
+def lrmoe_at_cap(proj: Projection, cap: int, ratio: float, backward: BackwardConfig | None = None
                  ) -> tuple[list[list[LayerCall]] | None, str, dict]:
     """lrmoe at the largest per-layer budget M whose whole step fits ``cap``
     (:func:`budgeted_at_cap`), its replicas its controller's cost search (or symi's default count
-    with ``--lrmoe-slots fixed``); ``warm``: its warm phase (the warm ratio, no time objective).
-    Returns (calls or None, note, search)."""
+    with ``--lrmoe-slots fixed``); ``backward``: one of its phases' (:meth:`SimConfig.extra_phases`;
+    default: the configured one). Returns (calls or None, note, search)."""
     cfg = proj.cfg
     fixed = default_slots(proj) if cfg.lrmoe_slots == LRMOE_SLOTS_FIXED else None
-    backward = cfg.backward.warm_phase() if warm else cfg.backward
-    if warm:  # --ratios caps every phase
-        ratio = min(ratio, backward.ratio)
+    backward = cfg.backward if backward is None else backward
+    ratio = min(ratio, backward.ratio)  # --ratios caps every phase; a warm phase's ratio caps its own
     kw = dict(ratio=ratio, slots=fixed, selection=cfg.selection, network_bytes=cfg.network_bytes,
               link_gbps=cfg.link_gbps, backward=backward)
     return budgeted_at_cap(proj, TRIMMING_SYSTEM, cap, kw)

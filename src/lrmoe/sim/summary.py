@@ -1,15 +1,17 @@
 """One system's simulated calls as a results row: step time (device, host), memory, kept ratio
-(:func:`summarise`; with a warm phase, the two phases' figures weighted by their share of the
-steps, :func:`with_warm_phase`), its steps to target from the measured runs and the time to
+(:func:`summarise`; with a warm phase or later floors, the phases' figures weighted by their share
+of the steps, :func:`with_phases`), its steps to target from the measured runs and the time to
 target under the cap (:func:`result_row`), and that time re-costed on other hardware
 (:func:`time_to_target`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from lrmoe.sim.budget import step_peak_bytes
-from lrmoe.sim.config import DTYPE_BYTES, SimConfig
+from lrmoe.sim.config import DTYPE_BYTES, WARM_PHASE, SimConfig
 from lrmoe.sim.cost import PHASES, layer_seconds
 from lrmoe.sim.hardware import Hardware
 from lrmoe.sim.layer_calls import LayerCall
@@ -54,40 +56,54 @@ def summarise(calls: list[list[LayerCall]], cfg: SimConfig, hw: Hardware) -> dic
     }
 
 
-# per-step figures a warm phase weights by its share of the steps; memory and copies take the larger
+# per-step figures the phases weight by their share of the steps; memory and copies take the larger
 _PER_STEP = ("step_ms", "device_step_ms", "host_ms", "host_total_ms", "host_deferred_ms", "host_live_ms",
              "kept_ratio", "replicas_per_layer")
 _LARGEST = ("peak_expert_side_bytes", "step_peak_bytes", "copies_per_rank")
 
 
-def with_warm_phase(trimmed: dict, warm: dict, share: float) -> dict:
-    """:func:`summarise`'s row of a run whose first ``share`` of steps are ``warm``'s (lrmoe's
-    warm phase, BackwardConfig.trim_after) and the rest ``trimmed``'s: per-step figures, per-phase
-    layer times, keep modes and planner calls weighted by the steps, memory the larger of the
-    two (both phases must fit), the one-time planning both phases' (each plans once); the
-    phases' own step time and kept ratio under ``warm_phase``."""
-    def mixed(a: float, b: float) -> float:
-        return share * b + (1 - share) * a
+# one of lrmoe's phases outside its main one: (label, share of its steps, its calls or its row)
+Phase = tuple[str, float, Any]
 
-    def mixed_dict(a: dict, b: dict) -> dict:
-        return {k: mixed(a.get(k, 0.0), b.get(k, 0.0)) for k in sorted(a.keys() | b.keys())}
 
-    row = dict(trimmed)
-    row.update({k: mixed(trimmed[k], warm[k]) for k in _PER_STEP})
-    row.update({k: max(trimmed[k], warm[k]) for k in _LARGEST})
-    row["host_once_ms"] = trimmed["host_once_ms"] + warm["host_once_ms"]
+def with_phases(main: dict, phases: list[Phase]) -> dict:
+    """:func:`summarise`'s row of a run whose steps follow ``main``'s row except for ``phases``
+    (label, share of the steps, row: lrmoe's warm phase, BackwardConfig.trim_after; its later
+    floors, min_ratio_after): per-step figures, per-phase layer times, keep modes and planner
+    calls weighted by the steps, memory the largest (every phase must fit), the one-time planning
+    every phase's (each plans once); each phase's own step time and kept ratio under
+    ``phases``, the warm phase's also under ``warm_phase`` with the main phase's beside it."""
+    weighted = [(1 - sum(share for _, share, _ in phases), main), *((share, r) for _, share, r in phases)]
+
+    def mixed(key: str) -> float:
+        return sum(share * r[key] for share, r in weighted)
+
+    def mixed_dict(key: str) -> dict:
+        return {k: sum(share * r[key].get(k, 0.0) for share, r in weighted)
+                for k in sorted(set().union(*(r[key] for _, r in weighted)))}
+
+    row = dict(main)
+    row.update({k: mixed(k) for k in _PER_STEP})
+    row.update({k: max(r[k] for _, r in weighted) for k in _LARGEST})
+    row["host_once_ms"] = sum(r["host_once_ms"] for _, r in weighted)
     for k in ("layer_ms", "keep_modes", "planner_calls_per_layer_call"):
-        row[k] = mixed_dict(trimmed[k], warm[k])
-    row["warm_phase"] = {"share": share, "step_ms": warm["step_ms"], "kept_ratio": warm["kept_ratio"],
-                         "trimmed_step_ms": trimmed["step_ms"], "trimmed_kept_ratio": trimmed["kept_ratio"]}
+        row[k] = mixed_dict(k)
+    row["phases"] = [{"phase": label, "share": share, "step_ms": r["step_ms"], "kept_ratio": r["kept_ratio"]}
+                     for label, share, r in (("main", weighted[0][0], main), *phases)]
+    for label, share, r in phases:
+        if label == WARM_PHASE:
+            row["warm_phase"] = {"share": share, "step_ms": r["step_ms"], "kept_ratio": r["kept_ratio"],
+                                 "trimmed_step_ms": main["step_ms"], "trimmed_kept_ratio": main["kept_ratio"]}
     return row
 
 
 def _summarise_phases(calls: list[list[LayerCall]], cfg: SimConfig, hw: Hardware,
-                      warm: list[list[LayerCall]] | None) -> dict:
-    """:func:`summarise` of ``calls``, with ``warm``'s (a warm phase) weighted in where given."""
+                      phases: list[Phase] | None) -> dict:
+    """:func:`summarise` of ``calls``, with ``phases``' (label, share, calls) weighted in where given."""
     row = summarise(calls, cfg, hw)
-    return row if warm is None else with_warm_phase(row, summarise(warm, cfg, hw), cfg.warm_share)
+    if not phases:
+        return row
+    return with_phases(row, [(label, share, summarise(c, cfg, hw)) for label, share, c in phases])
 
 
 def steps_ratio(name: str, row: dict, target: StepsToTarget) -> tuple[float | None, str]:
@@ -111,22 +127,22 @@ def steps_ratio(name: str, row: dict, target: StepsToTarget) -> tuple[float | No
 
 
 def time_to_target(row: dict, calls: list[list[LayerCall]] | None, cfg: SimConfig, hw: Hardware,
-                   warm: list[list[LayerCall]] | None = None) -> float | None:
+                   phases: list[Phase] | None = None) -> float | None:
     """MoE time to target of a simulated row on other hardware (same plans, same steps;
-    ``warm``: its warm phase's calls)."""
+    ``phases``: its other phases' (label, share, calls))."""
     if calls is None or row.get("status") != "ok":
         return None
-    return _summarise_phases(calls, cfg, hw, warm)["step_ms"] / 1e3 * row["steps_to_target"]
+    return _summarise_phases(calls, cfg, hw, phases)["step_ms"] / 1e3 * row["steps_to_target"]
 
 
 def result_row(name: str, calls: list[list[LayerCall]] | None, cfg: SimConfig, cap: int, target: StepsToTarget,
-               note: str | None, warm: list[list[LayerCall]] | None = None) -> dict:
+               note: str | None, phases: list[Phase] | None = None) -> dict:
     """``results.json``'s row of one system at one cap (``infeasible`` where no calls ran;
-    ``warm``: the calls of its warm phase, :func:`with_warm_phase`)."""
+    ``phases``: its other phases' (label, share, calls), :func:`with_phases`)."""
     if calls is None:
         return {"moe_time_to_target_s": None, "step_ms": None, "peak_expert_side_bytes": None,
                 "status": "infeasible", "note": note}
-    row = _summarise_phases(calls, cfg, cfg.hw, warm)
+    row = _summarise_phases(calls, cfg, cfg.hw, phases)
     ratio, how = steps_ratio(name, row, target)
     row["steps_ratio"] = ratio
     row["steps_to_target"] = None if ratio is None else ratio * cfg.target_steps
