@@ -187,6 +187,8 @@ def test_cli_writes_table_and_results(tmp_path):
     (["--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu-memory", "80", "--trace", "/nonexistent.npz"], "not found"),
     (["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "80", "--objective", "time", "--late-floor", "0.6"],
      "--late-floor"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "80", "--objective", "time", "--late-floor", "0.6:x"],
+     "--late-floor"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
