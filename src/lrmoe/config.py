@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lrmoe.validation import bad, fraction, ints_per_rank, is_int_at_least, is_number, positive_int, step_ratios
+from lrmoe.validation import Floor, bad, fraction, ints_per_rank, is_int_at_least, is_number, positive_int, step_ratios
 
 ROUTERS = ("softmax", "sigmoid")
 SELECTIONS = ("lrm", "random", "local", "sampled", "local-sampled")
@@ -153,7 +153,9 @@ class BackwardConfig:
     default, keeps every pair); a ratio the study found free in steps trims them too.
     ``min_ratio_after``: ((step, ratio), ...) in increasing steps: from that optimizer step on,
     ``min_ratio`` is that ratio — the estimator's noise at a fixed ratio falls as training goes
-    on (docs/convergence.md "Noise by training step"), so a later floor may be lower.
+    on (docs/convergence.md "Noise by training step"), so a later floor may be lower. A ratio
+    may be a list, one per MoE layer in model order: the layers' noise at a ratio differs
+    several-fold (the same table), and :meth:`for_layer` gives each layer its own.
     """
 
     selection: str = "local-sampled"
@@ -168,7 +170,7 @@ class BackwardConfig:
     drop_cost: float = 0.13  # docs/convergence.md: configs/paper.toml's model, 3 seeds, fit over ρ in [0.5, 1]
     trim_after: int = 0
     warm_ratio: float = 1.0
-    min_ratio_after: tuple[tuple[int, float], ...] = ()
+    min_ratio_after: tuple[tuple[int, Floor], ...] = ()
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -200,8 +202,25 @@ class BackwardConfig:
         ``min_ratio_after`` sets by then."""
         if steps < self.trim_after:
             return self.warm_phase()
+        if self.layer_floors:
+            raise ValueError(f"min_ratio_after={self.min_ratio_after!r} has per-layer floors: "
+                             "take each layer's config with for_layer first")
         floors = [ratio for step, ratio in self.min_ratio_after if steps >= step]
         return replace(self, min_ratio=floors[-1], min_ratio_after=()) if floors else self
+
+    @property
+    def layer_floors(self) -> int:
+        """How many MoE layers ``min_ratio_after``'s per-layer floors are for (0: none are)."""
+        return max((len(r) for _, r in self.min_ratio_after if isinstance(r, tuple)), default=0)
+
+    def for_layer(self, index: int, layers: int) -> BackwardConfig:
+        """MoE layer ``index``'s (of ``layers``, in model order) config: its own entry of each
+        per-layer floor in ``min_ratio_after``; a ValueError when a list is not ``layers`` long."""
+        if any(isinstance(r, tuple) and len(r) != layers for _, r in self.min_ratio_after):
+            raise ValueError(f"min_ratio_after={self.min_ratio_after!r}: a per-layer floor needs one ratio per "
+                             f"MoE layer ({layers})")
+        own = tuple((step, r[index] if isinstance(r, tuple) else r) for step, r in self.min_ratio_after)
+        return replace(self, min_ratio_after=own)
 
     def warm_phase(self) -> BackwardConfig:
         """The warm steps' config: ``warm_ratio`` as the ratio, no balance, the memory objective."""

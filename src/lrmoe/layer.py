@@ -80,6 +80,9 @@ class MoELayer(nn.Module):
         if backward is not None and backward.keep is not None and not spec.compacts:
             raise ValueError(f"backward keep={backward.keep!r} is for the compacting systems "
                              f"{names_where(backward='selective')}, not system={system!r}")
+        if backward is not None and backward.layer_floors:
+            raise ValueError(f"backward min_ratio_after={backward.min_ratio_after!r} has per-layer floors: "
+                             "pass each layer its own, backward.for_layer(index, layers)")
         if backward is not None and backward.keep is not None and budget is not None and budget.memory_bytes:
             raise ValueError(f"backward keep={backward.keep!r} with a memory cap: the cap chooses what is kept")
         if not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):

@@ -42,10 +42,22 @@ def ints_per_rank(field: str, value: object, world: int, minimum: int) -> list[i
     return list(values)
 
 
-def step_ratios(field: str, value: object) -> tuple[tuple[int, float], ...]:
-    """[[step, ratio], ...] (lists or tuples) with steps >= 0 increasing and ratios in (0, 1], as tuples."""
+Floor = float | tuple[float, ...]  # one ratio for every layer, or one per MoE layer
+
+
+def step_ratios(field: str, value: object) -> tuple[tuple[int, Floor], ...]:
+    """[[step, ratio], ...] (lists or tuples) with steps >= 0 increasing and ratios in (0, 1], as
+    tuples; a ratio may be a non-empty list of them, one per MoE layer."""
+
+    def one(r: object) -> bool:
+        return is_number(r) and 0 < r <= 1
+
+    def ratio_ok(r: object) -> bool:
+        return one(r) or (isinstance(r, (list, tuple)) and bool(r) and all(one(x) for x in r))
+
     pairs_ok = isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value)
-    if not pairs_ok or not all(is_int_at_least(s, 0) and is_number(r) and 0 < r <= 1 for s, r in value) \
+    if not pairs_ok or not all(is_int_at_least(s, 0) and ratio_ok(r) for s, r in value) \
             or any(a[0] >= b[0] for a, b in zip(value, value[1:])):
-        raise bad(field, value, "expected [[step, ratio], ...]: steps >= 0 increasing, ratios in (0, 1]")
-    return tuple((s, float(r)) for s, r in value)
+        raise bad(field, value, "expected [[step, ratio], ...]: steps >= 0 increasing, each ratio in (0, 1] "
+                                "or a list of them, one per MoE layer")
+    return tuple((s, tuple(map(float, r)) if isinstance(r, (list, tuple)) else float(r)) for s, r in value)

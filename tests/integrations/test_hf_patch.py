@@ -176,3 +176,16 @@ def test_patched_lrmoe_trains_expert_parallel_and_unpatches(pool2, tmp_path):
     # needs every rank of the pool's default group (tests/conftest.py)
     losses = pool2.run(2, train_patched_case, str(tmp_path))[0]
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_patch_model_gives_each_layer_its_floor():
+    """Per-layer floors (``min_ratio_after`` with a list) reach the patched layers in model order;
+    a list of another length is refused before anything changes."""
+    model = tiny_glm()  # one dense layer, then two MoE layers
+    backward = BackwardConfig(objective="time", min_ratio_after=[[5, [0.3, 0.6]]])
+    with pytest.raises(ValueError, match=r"one ratio per MoE layer \(2\)"):
+        patch_model(model, system="lrmoe", backward=BackwardConfig(min_ratio_after=[[5, [0.3]]]))
+    assert not any(isinstance(m, MoELayer) for m in model.modules())
+    patch_model(model, system="lrmoe", backward=backward)
+    floors = [m.backward_config.at_step(5).min_ratio for m in model.modules() if isinstance(m, MoELayer)]
+    assert floors == [0.3, 0.6]

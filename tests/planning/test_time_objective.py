@@ -236,3 +236,25 @@ def test_min_ratio_after_waits_for_the_warm_steps():
 def test_a_bad_min_ratio_after_is_refused(value):
     with pytest.raises(ValueError, match="min_ratio_after"):
         BackwardConfig(min_ratio_after=value)
+
+
+def test_per_layer_floors_give_each_layer_its_own():
+    """A floor may be a list, one per MoE layer: ``for_layer`` keeps that layer's entry (and the
+    shared ones), refuses a list of another length, and nothing takes an unresolved config."""
+    both = BackwardConfig(objective="time", min_ratio_after=[[100, [0.3, 0.5]], [150, 0.2]])
+    assert both.min_ratio_after == ((100, (0.3, 0.5)), (150, 0.2)) and both.layer_floors == 2
+    assert both.for_layer(0, 2).min_ratio_after == ((100, 0.3), (150, 0.2))
+    assert both.for_layer(1, 2).at_step(120).min_ratio == 0.5 and both.for_layer(1, 2).at_step(150).min_ratio == 0.2
+    assert BackwardConfig(min_ratio_after=[[1, 0.4]]).for_layer(2, 3).min_ratio_after == ((1, 0.4),)
+    with pytest.raises(ValueError, match="one ratio per MoE layer"):
+        both.for_layer(0, 3)
+    with pytest.raises(ValueError, match="for_layer"):
+        both.at_step(120)
+    with pytest.raises(ValueError, match="per-layer floors"):
+        MoELayer(MoEConfig(**QWEN), system="lrmoe", backward=both)
+
+
+@pytest.mark.parametrize("value", [[[1, []]], [[1, [0.5, 0]]], [[1, [[0.5]]]], [[1, [0.5, True]]]])
+def test_a_bad_per_layer_floor_is_refused(value):
+    with pytest.raises(ValueError, match="min_ratio_after"):
+        BackwardConfig(min_ratio_after=value)

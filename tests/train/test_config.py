@@ -84,3 +84,19 @@ def test_compare_seeds_and_dense_evaluation_round_trip():
     assert cfg.compare.seeds == (0, 1, 2) and cfg.compare.dense_eval_every == 3
     assert from_dict({}).compare.dense_eval_every == 5 and from_dict({}).compare.seeds == ()
     assert from_dict(tomllib.loads(dump_toml(cfg.to_dict()))) == cfg
+
+
+def test_per_layer_floors_reach_their_layers():
+    """``[backward] min_ratio_after`` with a list per MoE layer: each built layer plans with its own
+    floor; a list that does not match the model's MoE layers is a ConfigError naming the table."""
+    from lrmoe.layer import moe_layers
+    from lrmoe.train.build import build_model
+    from lrmoe.train.groups import Groups
+    from tests.helpers.train import tiny
+
+    cfg = tiny(backward={"objective": "time", "min_ratio_after": [[10, [0.3, 0.6]]]})
+    model = build_model(cfg, 64, Groups(None, 1))
+    floors = [layer.backward_config.at_step(10).min_ratio for _, layer in moe_layers(model)]
+    assert floors == [0.3, 0.6]
+    with pytest.raises(ConfigError, match=r"\[backward\].*one ratio per MoE layer \(2\)"):
+        tiny(backward={"min_ratio_after": [[10, [0.3, 0.6, 0.5]]]})

@@ -164,9 +164,10 @@ def patch_model(
     model_config = getattr(model, "config", None)
     moe_overrides.setdefault("aux_loss_coef", float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0))
     targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in FAMILIES]
-    for name, block in targets:
+    for index, (name, block) in enumerate(targets):
+        own = backward if backward is None else backward.for_layer(index, len(targets))
         layer = _convert(block, replace(config_from_hf_block(block), **moe_overrides), system=system, group=group,
-                         backward=backward, budget=budget, **layer_kwargs)
+                         backward=own, budget=budget, **layer_kwargs)
         layer.router.register_forward_hook(_record_patched_router)
         layer.to(next(block.parameters()).device)
         _set_submodule(model, name, layer)

@@ -29,8 +29,11 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
     budget = cfg.budget if spec_of(t.system).takes_budget else None
     trace_SLE = read_routing_trace(t.routing_trace, model_cfg) if t.routing_trace else None
 
+    moe_count = model_cfg.n_layers - model_cfg.first_dense_layers
+
     def make_moe(i: int) -> MoELayer:
-        return MoELayer(model_cfg.moe, system=t.system, group=groups.ep_group, backward=cfg.backward,
+        backward = cfg.backward.for_layer(i - model_cfg.first_dense_layers, moe_count)
+        return MoELayer(model_cfg.moe, system=t.system, group=groups.ep_group, backward=backward,
                         budget=budget, capacity_factor=t.capacity_factor, replan_interval=t.replan_interval,
                         routing_trace=None if trace_SLE is None else trace_SLE[:, i - model_cfg.first_dense_layers])
 
