@@ -159,10 +159,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if spec_of(self.train.system).needs_topology and (self.budget is None or self.budget.ranks_per_node is None):
             raise ConfigError(f"train.system={self.train.system!r} needs the topology: [budget] ranks_per_node = ...")
-        moe_count = self.model.n_layers - self.model.first_dense_layers
         if self.backward.layer_floors and not self.train.hf_model:  # a checkpoint's count is known once loaded
             try:
-                self.backward.for_layer(0, moe_count)
+                self.backward.for_layer(0, self.model.n_layers - self.model.first_dense_layers)
             except ValueError as e:
                 raise ConfigError(f"[backward] {e}") from None
 
