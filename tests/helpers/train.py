@@ -101,7 +101,7 @@ def run_main(*args) -> subprocess.CompletedProcess:
 
 
 def config_file(tmp_path: Path, **train_overrides) -> Path:
-    from lrmoe.train.config import dump_toml
+    from lrmoe.train.toml_dump import dump_toml
 
     path = tmp_path / "cfg.toml"
     path.write_text(dump_toml(tiny(**train_overrides).to_dict()))

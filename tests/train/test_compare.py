@@ -19,7 +19,7 @@ from tests.helpers.train import tiny
 def test_compare_system_configs_and_resume(tmp_path):
     import numpy as np
 
-    from lrmoe.train.config import dump_toml
+    from lrmoe.train.toml_dump import dump_toml
 
     cfg = from_dict({"budget": {"ranks_per_node": 1}})
     trace = tmp_path / "routing.npz"

@@ -78,7 +78,7 @@ def test_unknown_keys_are_rejected():
 def test_compare_seeds_and_dense_evaluation_round_trip():
     import tomllib
 
-    from lrmoe.train.config import dump_toml
+    from lrmoe.train.toml_dump import dump_toml
 
     cfg = from_dict({"compare": {"seeds": [0, 1, 2], "dense_eval_every": 3}})
     assert cfg.compare.seeds == (0, 1, 2) and cfg.compare.dense_eval_every == 3

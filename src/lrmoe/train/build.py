@@ -32,10 +32,11 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
     moe_count = model_cfg.n_layers - model_cfg.first_dense_layers
 
     def make_moe(i: int) -> MoELayer:
-        backward = cfg.backward.for_layer(i - model_cfg.first_dense_layers, moe_count)
-        return MoELayer(model_cfg.moe, system=t.system, group=groups.ep_group, backward=backward,
-                        budget=budget, capacity_factor=t.capacity_factor, replan_interval=t.replan_interval,
-                        routing_trace=None if trace_SLE is None else trace_SLE[:, i - model_cfg.first_dense_layers])
+        j = i - model_cfg.first_dense_layers  # its index among the MoE layers
+        return MoELayer(model_cfg.moe, system=t.system, group=groups.ep_group,
+                        backward=cfg.backward.for_layer(j, moe_count), budget=budget,
+                        capacity_factor=t.capacity_factor, replan_interval=t.replan_interval,
+                        routing_trace=None if trace_SLE is None else trace_SLE[:, j])
 
     model = MoETransformer(model_cfg, make_moe)
     moe_prefixes = {name for name, _ in moe_layers(model)}

@@ -41,13 +41,14 @@ import numpy as np
 
 from lrmoe.systems import REFERENCE_SYSTEM, spec_of
 from lrmoe.train import checkpoint
-from lrmoe.train.config import ConfigError, RunConfig, dump_toml, parse_system_name
+from lrmoe.train.config import ConfigError, RunConfig, parse_system_name
 from lrmoe.train.files import atomic_write
 from lrmoe.train.launch import launch
 from lrmoe.train.metrics import read_metrics
 from lrmoe.train.plots import plots
 from lrmoe.train.rendezvous import current_rendezvous
 from lrmoe.train.report import report
+from lrmoe.train.toml_dump import dump_toml
 
 RESULT_KEYS = ("status", "steps_to_target", "moe_time_to_target_s", "final_val_loss", "steps_run", "bwd_a2a_bytes",
                "peak_expert_side_bytes", "a2a_bytes", "placement_bytes", "mean_kept_ratio", "replica_slots",

@@ -4,7 +4,7 @@ A config has four tables: ``[model]`` (a preset plus overrides, with a nested ``
 ``[train]`` (everything about the run), ``[backward]`` (the LRMoE selection, a
 :class:`BackwardConfig`) and an optional ``[budget]`` (a :class:`ClusterBudget`, for ``lrmoe``).
 ``[compare]`` configures ``lrmoe compare``. The resolved config is written next to the results
-(``config.toml``) so a run can be repeated exactly.
+(``config.toml``, :mod:`lrmoe.train.toml_dump`) so a run can be repeated exactly.
 """
 
 from __future__ import annotations
@@ -271,31 +271,3 @@ def load(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
     return from_dict(apply_sets(raw, sets))
-
-
-def dump_toml(d: dict) -> str:
-    """A minimal TOML writer for the resolved config (scalars, lists, nested tables)."""
-
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-    lines: list[str] = []
-
-    def table(prefix: str, t: dict) -> None:
-        scalars = {k: v for k, v in t.items() if not isinstance(v, dict) and v is not None}
-        if prefix:
-            lines.append(f"[{prefix}]")
-        lines.extend(f"{k} = {value(v)}" for k, v in scalars.items())
-        lines.append("")
-        for k, v in t.items():
-            if isinstance(v, dict):
-                table(f"{prefix}.{k}" if prefix else k, v)
-
-    table("", d)
-    return "\n".join(lines).lstrip("\n")

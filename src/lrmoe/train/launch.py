@@ -24,9 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-from lrmoe.train.config import ConfigError, RunConfig, dump_toml, with_restart_checkpoints
+from lrmoe.train.config import ConfigError, RunConfig, with_restart_checkpoints
 from lrmoe.train.data import TokenData, check_fits
 from lrmoe.train.rendezvous import Rendezvous, current_rendezvous
+from lrmoe.train.toml_dump import dump_toml
 
 USER_ERROR_EXIT = 3  # a rank's exit status after it wrote a user error to the error file
 RUN_FILES = ("config.toml", "metrics.jsonl", "routing.npz", "summary.json", "results.json", "report.md", "sweep.json")

@@ -14,12 +14,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lrmoe.train import checkpoint
-from lrmoe.train.config import RunConfig, dump_toml
+from lrmoe.train.config import RunConfig
 from lrmoe.train.data import Batches
 from lrmoe.train.files import atomic_write
 from lrmoe.train.groups import Groups, all_reduce
 from lrmoe.train.metrics import val_entry
 from lrmoe.train.state import TrainState
+from lrmoe.train.toml_dump import dump_toml
 
 
 class PeerRankError(RuntimeError):

@@ -36,10 +36,11 @@ from pathlib import Path
 
 from lrmoe.config import ClusterBudget
 from lrmoe.train.compare import RESULT_KEYS, finished, reference_eval_at, run_compare, system_config
-from lrmoe.train.config import ConfigError, RunConfig, dump_toml, require_int
+from lrmoe.train.config import ConfigError, RunConfig, require_int
 from lrmoe.train.launch import launch
 from lrmoe.train.metrics import read_metrics
 from lrmoe.train.report import seeds_report
+from lrmoe.train.toml_dump import dump_toml
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 _CAP = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
