@@ -151,6 +151,8 @@ class BackwardConfig:
     experts take shape costs steps that the same trimming later does not (docs/convergence.md
     "When to trim"). ``warm_ratio``: the fixed-ratio quota of those first steps (1, the
     default, keeps every pair); a ratio the study found free in steps trims them too.
+    ``warm_balance``: the demand-side balance of those first steps (None, the default: none) —
+    only the overload of the hottest experts trimmed, as a memory cap trims them there.
     ``min_ratio_after``: ((step, ratio), ...) in increasing steps: from that optimizer step on,
     ``min_ratio`` is that ratio — the estimator's noise at a fixed ratio falls as training goes
     on (docs/convergence.md "Noise by training step"), so a later floor may be lower. A ratio
@@ -170,6 +172,7 @@ class BackwardConfig:
     drop_cost: float = 0.13  # docs/convergence.md: configs/paper.toml's model, 3 seeds, fit over ρ in [0.5, 1]
     trim_after: int = 0
     warm_ratio: float = 1.0
+    warm_balance: float | None = None
     min_ratio_after: tuple[tuple[int, Floor], ...] = ()
 
     def __post_init__(self) -> None:
@@ -184,8 +187,10 @@ class BackwardConfig:
             raise bad("seed", self.seed, "expected an integer")
         if self.keep is not None and self.keep not in KEEP_MODES:
             raise bad("keep", self.keep, f"expected None or one of {KEEP_MODES}")
-        if self.balance is not None and not (is_number(self.balance) and self.balance >= 0):
-            raise bad("balance", self.balance, "expected None or a number >= 0 (the overload over the mean allowed)")
+        for name in ("balance", "warm_balance"):
+            value = getattr(self, name)
+            if value is not None and not (is_number(value) and value >= 0):
+                raise bad(name, value, "expected None or a number >= 0 (the overload over the mean allowed)")
         fraction("min_ratio", self.min_ratio)
         if self.objective not in OBJECTIVES:
             raise bad("objective", self.objective, f"expected one of {OBJECTIVES}")
@@ -223,8 +228,9 @@ class BackwardConfig:
         return replace(self, min_ratio_after=own)
 
     def warm_phase(self) -> BackwardConfig:
-        """The warm steps' config: ``warm_ratio`` as the ratio, no balance, the memory objective."""
-        return replace(self, ratio=self.warm_ratio, balance=None, objective="memory", trim_after=0)
+        """The warm steps' config: ``warm_ratio`` as the ratio, ``warm_balance`` as the balance, the
+        memory objective."""
+        return replace(self, ratio=self.warm_ratio, balance=self.warm_balance, objective="memory", trim_after=0)
 
     @property
     def local(self) -> bool:

@@ -48,7 +48,20 @@ def test_slack_and_the_floor():
     assert _kept_per_rank(floored, placement)[0] > 500, "the floor outranks the balance"
 
 
-@pytest.mark.parametrize("field,value", [("balance", -0.1), ("balance", True), ("min_ratio", 0.0), ("min_ratio", 1.5)])
+def test_the_warm_steps_balance_by_warm_balance_alone():
+    """Within ``trim_after`` the overload of the hottest experts is trimmed by ``warm_balance``
+    (not ``balance``, which starts with the trimming); after them ``balance`` applies."""
+    cfg = BackwardConfig(balance=0.2, warm_balance=0.0, trim_after=3, objective="time")
+    assert cfg.at_step(2).balance == 0.0 and cfg.at_step(2).objective == "memory"
+    assert cfg.at_step(3).balance == 0.2
+    assert BackwardConfig(balance=0.2, trim_after=3).at_step(0).balance is None, "no warm balance by default"
+    placement = Placement.static(8, 2)
+    counts = torch.tensor([400, 100, 50, 50, 100, 100, 100, 100])
+    assert _kept_per_rank(demand_balanced(counts, placement, cfg.at_step(0)), placement) == [500, 400]
+
+
+@pytest.mark.parametrize("field,value", [("balance", -0.1), ("balance", True), ("warm_balance", -1.0),
+                                         ("warm_balance", "0"), ("min_ratio", 0.0), ("min_ratio", 1.5)])
 def test_bad_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         BackwardConfig(**{field: value})
