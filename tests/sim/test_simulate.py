@@ -408,7 +408,25 @@ def test_a_warm_phase_weights_both_phases_by_their_steps():
     assert row["warm_phase"]["step_ms"] == pytest.approx(warm["step_ms"])
     assert row["steps_ratio"] < trimmed["steps_ratio"]  # more pairs kept: read nearer static's steps
     assert calls["60"][warm_key(name)] is not None
-    assert doc["meta"]["warm_phase"] == {"share": 0.3, "ratio": 0.75}
+    assert doc["meta"]["warm_phase"] == {"share": 0.3, "ratio": 0.75, "balance": None}
+
+
+def test_a_balanced_warm_phase_trims_only_the_overload():
+    """--warm-balance: the warm run keeps what memory allows less the hottest ranks' overload —
+    fewer pairs than the unbalanced warm run, more than its trimmed phase — and says so. (No
+    network budget: the default one caps each rank near the balanced load already.)"""
+    timed = BackwardConfig(objective="time")
+    name = "lrmoe-local-sampled"
+
+    def warm_of(backward: BackwardConfig) -> tuple[dict, dict]:
+        doc, _ = simulate(_small(backward=backward, warm_share=0.3, network_budget=None), progress=False)
+        return doc["caps"]["60"][name], doc["meta"]
+
+    plain, _ = warm_of(timed)
+    balanced, meta = warm_of(replace(timed, warm_balance=0.0))
+    assert balanced["warm_phase"]["kept_ratio"] < plain["warm_phase"]["kept_ratio"]
+    assert balanced["warm_phase"]["kept_ratio"] > balanced["kept_ratio"]
+    assert meta["warm_phase"]["balance"] == 0.0
 
 
 def test_later_floors_weight_each_phase_by_its_steps():

@@ -44,7 +44,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                           lrmoe_slots=args.lrmoe_slots, zipf=args.zipf, seed=args.seed,
                           network_budget=args.network_budget or None, convergence=args.convergence,
                           backward=BackwardConfig(objective=args.objective, drop_cost=args.drop_cost,
-                                                  min_ratio=args.min_ratio, warm_ratio=args.warm_ratio),
+                                                  min_ratio=args.min_ratio, warm_ratio=args.warm_ratio,
+                                                  warm_balance=args.warm_balance),
                           warm_share=args.warm_share, late_floors=_share_floors(args.late_floor),
                           planning=args.planning) for m in models]
         out = Path(args.out)
@@ -96,6 +97,9 @@ def add_simulate_parser(sub) -> None:
                          "(default 0: none)")
     sm.add_argument("--warm-ratio", type=float, default=BackwardConfig.warm_ratio,
                     help="the warm phase's kept ratio (default 1: every pair memory and the network allow)")
+    sm.add_argument("--warm-balance", type=float, default=None,
+                    help="the warm phase's demand-side balance: no rank keeps more than (1 + this) x the "
+                         "balanced mean (configs/paper.toml: 0; default: none)")
     sm.add_argument("--late-floor", default="", metavar="SHARE:FLOOR[,SHARE:FLOOR]",
                     help="the time objective's later floors (min_ratio_after): from SHARE of "
                          f"{OURS}'s steps to target on, the floor is FLOOR (configs/paper.toml: step 100 "

@@ -168,8 +168,10 @@ def _warm(meta: dict) -> str:
     warm, late = meta.get("warm_phase"), meta.get("late_floors")
     if not (warm or late):
         return ""
-    parts = [f"the first {warm['share']:.0%} of its steps at kept ratio ≤ {warm['ratio']:g} with no time "
-             f"objective"] if warm else []
+    balance = "" if warm is None or warm.get("balance") is None else \
+        f", no rank above {1 + warm['balance']:g}× the balanced mean"
+    parts = [f"the first {warm['share']:.0%} of its steps at kept ratio ≤ {warm['ratio']:g}{balance} with no "
+             f"time objective"] if warm else []
     parts += [f"from {f['from_share']:.0%} of its steps on the floor {f['floor']:g}" for f in late or ()]
     return (f" {OURS}'s phases: {'; '.join(parts)} (its rows: the phases weighted by their steps; memory: "
             f"the largest).")
