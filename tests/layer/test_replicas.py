@@ -1,5 +1,6 @@
 """Replicated expert parallelism on the real layer (symi, budgeted lrmoe): exact against the dense
-reference and static, a memory budget respected with quotas monotone in it, a network budget
+reference and static, a trimmed backward on replicas equal to the reference with its kept
+pairs, a memory budget respected with quotas monotone in it, a network budget
 bounding the kept rows, skewed workloads (lrmoe, symi, capacity), and the bytes of a replica
 refresh counted. (The planners alone: tests/planning/.)"""
 
@@ -8,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe import ClusterBudget, MoEConfig, MoELayer
+from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
 from lrmoe.parallel import comm
-from tests.helpers.layer import close, skewed_tokens, split_tokens
+from tests.helpers.layer import close, equals_kept_reference, skewed_tokens, split_tokens
 from tests.oracles.dense_moe import reference_grads
 
 CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
@@ -125,6 +126,36 @@ def test_budget_respected_and_quotas_monotone(pool, world):
     assert kept[0] <= kept[1] <= kept[2], kept
     assert kept[2] == total, "ample budget keeps every pair"
     assert kept[0] < total, "a tight budget trims the backward"
+
+
+def trimmed_on_replicas_case(group, ratio):
+    """A trimmed backward on replicated experts (a fast link: the hot expert replicated after the
+    first call): each call's gradients are the dense reference's with its kept pairs and their
+    1/π weights, pairs drawn on a replica included."""
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = skewed_tokens(cfg, 40, 3, "hot")
+    sizes = split_tokens(40, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    layer = MoELayer(cfg, system="lrmoe", group=group, budget=ClusterBudget(50_000_000, inter_node_gbps=1e6),
+                     replan_interval=1, backward=BackwardConfig("local-sampled", ratio=ratio, seed=2))
+    layer.load_full_state_dict(sd)
+    for step in range(3):
+        layer.zero_grad()
+        xs = x[lo:hi].clone().requires_grad_(True)
+        layer(xs).backward(g[lo:hi])
+        assert int(layer.last_stats["kept_E"].sum()) < int(layer.last_stats["counts_E"].sum()), "trimmed"
+        equals_kept_reference(layer, xs.grad, x, g, sd, cfg, sizes, group, f"call {step}")
+        layer.step_end()
+    return [len(h) for h in layer.placement.holder_lists], layer.last_stats["compaction"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ratio", [0.5, 0.8])
+def test_a_trimmed_backward_on_replicas_equals_the_kept_reference(pool, world, ratio):
+    holders, compaction = pool.run(world, trimmed_on_replicas_case, ratio)[0]
+    assert holders[0] > 1, "the hot expert replicated"
+    assert compaction == ("in place" if ratio > 0.6 else "gathered")
 
 
 # ------------------------------------------------------------------- skewed workloads
