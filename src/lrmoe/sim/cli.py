@@ -99,7 +99,7 @@ def add_simulate_parser(sub) -> None:
                     help="the warm phase's kept ratio (default 1: every pair memory and the network allow)")
     sm.add_argument("--warm-balance", type=float, default=None,
                     help="the warm phase's demand-side balance: no rank keeps more than (1 + this) x the "
-                         "balanced mean (configs/paper.toml: 0; default: none)")
+                         "balanced mean (default: none)")
     sm.add_argument("--late-floor", default="", metavar="SHARE:FLOOR[,SHARE:FLOOR]",
                     help="the time objective's later floors (min_ratio_after): from SHARE of "
                          f"{OURS}'s steps to target on, the floor is FLOOR (configs/paper.toml: step 100 "
