@@ -1,0 +1,66 @@
+"""benchmarks/headline.py: which system is the best exact one at a cap, and lrmoe's ratio to it
+split into steps × per step, from synthetic ``lrmoe compare --seeds`` folders."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers.benchmarks import import_script
+
+CAP = 70_000_000
+
+
+@pytest.fixture(scope="module")
+def headline():
+    return import_script("headline")
+
+
+def entry(steps: int | None, time_s: float | None, peak: int = CAP // 2, kept: float = 1.0) -> dict:
+    return {"status": "reached" if steps else "not reached", "steps_to_target": steps,
+            "moe_time_to_target_s": time_s, "mean_kept_ratio": kept, "memory_cap_bytes": CAP,
+            "peak_expert_side_bytes": peak}
+
+
+def write_seed(folder, seed: int, systems: dict) -> None:
+    sub = folder / f"seed-{seed}"
+    sub.mkdir(parents=True, exist_ok=True)
+    (sub / "results.json").write_text(json.dumps({"systems": systems}))
+
+
+def test_the_best_exact_system_and_lrmoes_ratio_to_it(headline, tmp_path):
+    for seed, (static_t, lrmoe_steps) in enumerate(((80.0, 160), (70.0, 170))):
+        write_seed(tmp_path / "a", seed, {
+            "static-uncapped": entry(160, 50.0, peak=2 * CAP),  # faster, but its peak does not fit the cap
+            "static": entry(160, static_t),
+            "static-recompute": entry(165, 90.0),
+            "symi": entry(160 if seed == 0 else None, 40.0 if seed == 0 else None),  # missed seed 1
+            "capacity": entry(150, 45.0),  # drops in the forward: never exact
+            "lrmoe": entry(lrmoe_steps, 0.75 * static_t, kept=0.6)})
+    cap = headline.compare_cap(headline.per_seed([tmp_path / "a"]), "lrmoe", "capacity")
+    assert cap["best_exact"] == "static"
+    assert sorted(cap["exact_candidates"]) == ["static", "static-recompute"]
+    v = cap["vs_best_exact"]
+    assert v["time_ratio"] == pytest.approx(0.75)
+    assert v["steps_ratio"] == pytest.approx(165 / 160)
+    assert v["per_step_ratio"] == pytest.approx(0.75 / (165 / 160))
+    assert v["per_seed_time_ratio"] == pytest.approx({0: 0.75, 1: 0.75})
+    assert cap["vs_dropping"]["system"] == "capacity"
+
+
+def test_a_later_folder_wins_and_the_script_writes_its_outputs(headline, tmp_path, monkeypatch, capsys):
+    write_seed(tmp_path / "a", 0, {"static": entry(160, 80.0), "lrmoe": entry(160, 60.0)})
+    write_seed(tmp_path / "b", 0, {"lrmoe": entry(165, 50.0)})  # a rerun of lrmoe alone
+    write_seed(tmp_path / "b", 1, {"static": entry(165, 70.0), "lrmoe": entry(160, 55.0)})
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["headline.py", "--cap", f"0.65x={tmp_path / 'a'},{tmp_path / 'b'}",
+                                      "--out", str(out)])
+    headline.main()
+    doc = json.loads((out / "headline.json").read_text())
+    lrmoe = doc["caps"]["0.65x"]["systems"]["lrmoe"]
+    assert lrmoe["per_seed"]["0"]["steps"] == 165 and lrmoe["steps"]["mean"] == pytest.approx(162.5)
+    assert doc["caps"]["0.65x"]["vs_best_exact"]["time_ratio"] == pytest.approx(52.5 / 75.0)
+    assert (out / "headline.png").stat().st_size > 0
+    assert "0.700× (30.0 % less)" in capsys.readouterr().out
