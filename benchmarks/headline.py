@@ -151,8 +151,9 @@ def plot(doc: dict, path: Path, lrmoe: str) -> None:
                     ha="center", va="bottom", fontsize=7)
             if role == "lrmoe" and c.get("vs_best_exact"):  # × the best exact system's = steps × per step
                 v = c["vs_best_exact"]
-                ratios = f"{v['time_ratio']:.3f}×\n= {v['steps_ratio']:.3f}\nsteps\n× {v['per_step_ratio']:.3f}"
-                ax.text(x, r["moe_time_s"]["mean"] * 0.45, ratios + "\nper step", ha="center", va="center", fontsize=7)
+                ratios = (f"{v['time_ratio']:.3f}×", f"= {v['steps_ratio']:.3f}", "steps",
+                          f"× {v['per_step_ratio']:.3f}", "per step")
+                ax.text(x, r["moe_time_s"]["mean"] * 0.45, "\n".join(ratios), ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(caps)), caps)
     ax.set_xlabel("per-rank memory cap")
     ax.set_ylabel("MoE time to target (s)")
