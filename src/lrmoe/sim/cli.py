@@ -102,8 +102,7 @@ def add_simulate_parser(sub) -> None:
                          "balanced mean (default: none)")
     sm.add_argument("--late-floor", default="", metavar="SHARE:FLOOR[,SHARE:FLOOR]",
                     help="the time objective's later floors (min_ratio_after): from SHARE of "
-                         f"{OURS}'s steps to target on, the floor is FLOOR (default: none, as in configs/paper.toml; "
-                         "its floor 0.3 from step 100 of ~167 until 2026-12-04 was 0.6:0.3)")
+                         f"{OURS}'s steps to target on, the floor is FLOOR (default: none, as in configs/paper.toml)")
     sm.add_argument("--zipf", type=float, default=0.3, help="Zipf exponent of the skew model (default 0.3)")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--quiet", action="store_true", help="no progress bar")
