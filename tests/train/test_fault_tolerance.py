@@ -47,6 +47,48 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path, monkeypatch, capsys):
         "a skipped step changes no parameter"
 
 
+class _InfGradient(torch.autograd.Function):
+    """Zero in the forward (the loss stays finite), an infinite gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.sum() * 0
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.full(ctx.shape, float("inf"))
+
+
+def _poison_loss(monkeypatch, at: int, change):
+    real = MoETransformer.loss
+    calls = {"n": 0}
+
+    def loss(self, ids, tgt):
+        total, ce = real(self, ids, tgt)
+        calls["n"] += 1
+        return (change(self, total) if self.training and calls["n"] == at else total), ce
+
+    monkeypatch.setattr(MoETransformer, "loss", loss)
+
+
+def test_infinite_gradient_with_a_finite_loss_is_skipped(tmp_path, monkeypatch):
+    """The finiteness check reads the gradient norm: an infinite gradient behind a finite loss."""
+    _poison_loss(monkeypatch, 2, lambda model, total: total + _InfGradient.apply(model.embed.weight))
+    train(tiny(system="static", steps=2, nproc=1, eval_every=100), tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in recs] == [False, True]
+
+
+def test_finite_gradients_whose_norm_overflows_are_not_skipped(tmp_path, monkeypatch):
+    """Gradients of ~1e25 are finite while their float32 sum of squares is not: the step runs."""
+    _poison_loss(monkeypatch, 2, lambda model, total: total * 1e25)
+    train(tiny(system="static", steps=2, nproc=1, eval_every=100), tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in recs] == [False, False]
+    assert recs[1]["grad_norm"] == float("inf")
+
+
 def test_nonfinite_stop(tmp_path, monkeypatch):
     _nan_at(monkeypatch, 2)
     cfg = tiny(system="static", steps=3, nproc=1, on_nonfinite="stop")

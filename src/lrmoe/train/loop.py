@@ -154,15 +154,18 @@ def _update(run: _Run, loss: torch.Tensor, step: int) -> tuple[bool, float]:
     model, groups, t = run.model, run.groups, run.cfg.train
     loss.backward()
     reduce_gradients(model, groups)
-    finite = torch.tensor([float(torch.isfinite(loss).item()
-                                 and all(torch.isfinite(p.grad).all() for p in model.parameters()))])
+    norm = grad_norm(model, groups)
+    # A non-finite gradient makes the norm non-finite, so a finite norm settles it without a pass
+    # over every gradient (that pass cost 8 % of a step's wall time on the 2-core VM); a norm
+    # that overflowed from finite gradients is told apart by the pass itself.
+    finite = torch.tensor([float(torch.isfinite(loss).item() and (
+        math.isfinite(norm) or all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)))])
     all_reduce(finite, groups.world_group, dist.ReduceOp.MIN)
     skipped = not bool(finite.item())
     if skipped and t.on_nonfinite == "stop":
         raise FloatingPointError(f"non-finite loss or gradient at step {step + 1}; stopping (on_nonfinite=stop)")
     if skipped and run.lead:
         run.progress.write(f"step {step + 1}: non-finite loss or gradient, step skipped (on_nonfinite=skip)")
-    norm = grad_norm(model, groups)
     if not skipped:
         run.opt.step()
     run.opt.zero_grad(set_to_none=True)
