@@ -228,6 +228,31 @@ def test_placement_bytes_counted(pool):
     assert sum(pool.run(4, placement_bytes_case)) > 0
 
 
+def replica_free_refresh_case(group):
+    """lrmoe at the default link keeps owned experts only here: its step_end exchanges nothing."""
+    from lrmoe.parallel import replicas
+
+    cfg = MoEConfig(**CFG)
+    rank = comm.rank_of(group)
+    sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
+    layer = MoELayer(cfg, system="lrmoe", group=group, budget=ClusterBudget(50_000_000), replan_interval=1)
+    layer.load_full_state_dict(sd)
+    exchanges, real = [], replicas.comm.all_to_all
+    for _ in range(2):
+        layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+        replicas.comm.all_to_all = lambda *a, **k: exchanges.append(1) or real(*a, **k)
+        try:
+            layer.step_end()
+        finally:
+            replicas.comm.all_to_all = real
+    assert layer.placement.num_copies == cfg.num_experts and len(layer.replicas.experts) == 0
+    return len(exchanges)
+
+
+def test_a_replica_free_placement_refreshes_without_an_exchange(pool):
+    assert pool.run(2, replica_free_refresh_case) == [0, 0]
+
+
 def network_case(group, network_bytes, network_fraction=None):
     cfg = MoEConfig(**CFG)
     world, rank = comm.world_size(group), comm.rank_of(group)

@@ -46,7 +46,12 @@ class Replicas(nn.Module):
     def refresh(self, gate_up: torch.Tensor, down: torch.Tensor, placement: Placement, rank: int,
                 group: Group) -> int:
         """Fetch every replica this rank holds from its owner (collective). Returns the bytes this
-        rank sent."""
+        rank sent. A placement without replicas on any rank (every rank holds the same one)
+        exchanges nothing: each rank's replica set is simply emptied."""
+        if placement.num_copies == placement.num_experts:
+            self.gate_up_proj, self.down_proj = self.gate_up_proj[:0], self.down_proj[:0]
+            self.experts = ()
+            return 0
         W = placement.world
         owned = placement.owned(rank)
         sends = [[e for e in placement.replicas(d) if int(placement.owner_E[e]) == rank] for d in range(W)]
