@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lrmoe.memory.bytes import ByteModel
+from lrmoe.passes.stages import STAGES
 from lrmoe.systems import SYSTEMS
 from lrmoe.train.config import from_dict
 from lrmoe.train.loop import train
@@ -32,6 +33,9 @@ def test_every_system_learns(pool2, tmp_path, system):
     for key in ("moe_fwd_ms", "moe_bwd_ms", "a2a_bytes", "kept_ratio", "load_cv", "peak_expert_side_bytes",
                 "val_loss", "moe_time_s"):
         assert key in rec, key
+    stages = rec["moe_stage_ms"]
+    assert list(stages) == list(STAGES) and stages["fwd_compute"] > 0 and stages["bwd_compute"] > 0
+    assert sum(v for k, v in stages.items() if k.startswith("fwd_")) <= rec["moe_fwd_ms"]  # a mean, a max
     counts = np.load(tmp_path / "routing.npz")["counts"]
     assert counts.shape == (10, 2, 4) and (counts.sum(-1) == 2 * 4 * 32 * 2).all()
     if system == "topoep":  # one rank per node: every byte crosses nodes

@@ -51,24 +51,35 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
     """Complete forward of the routed experts. Returns (out_TD, y_PD expert outputs per pair,
     h_sq_P ‖h‖² per pair or None): the last two stay at home for the backward (router gradient,
     LRM scores)."""
-    t0 = time.perf_counter()
+    clock = call.clock
+    t0 = clock.start()
     channel = call.layer.channel()
     plan(call, weights_TK, channel)
+    clock.lap("fwd_plan")
     weights = fetch_weights(call, gate_up, down, channel)
+    clock.lap("fwd_fetch")
     if call.plan.rounds_R is not None:  # every exchange in rounds, nothing kept (an exact call under a cap)
         lay_out(call)
         y_home_ND = forward_in_rounds(call, x_TD, weights.gate_up, weights.down, channel)
+        clock.lap("fwd_compute")
         out_TD, y_PD, h_sq_P = outputs(call, x_TD, weights_TK, y_home_ND, None)
+        clock.lap("fwd_combine")
         plan_backward(call)
+        clock.lap("fwd_plan_backward")
         save(call, None, None, weights, gate_up)
     else:
         rows_RD = dispatch(call, x_TD, channel)
+        clock.lap("fwd_dispatch")
         y_RD, norms, acts = compute(call, rows_RD, weights)
+        clock.lap("fwd_compute")
         out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, norms, channel)
+        clock.lap("fwd_combine")
         del norms, y_RD
         plan_backward(call)  # the device still exchanges and computes what was just issued
+        clock.lap("fwd_plan_backward")
         save(call, rows_RD, acts, weights, gate_up)
         del acts, rows_RD
+    clock.lap("fwd_save")
     _report(call, channel, y_PD, weights_TK, h_sq_P, nbytes(gate_up, down), weights.moved_bytes, t0)
     return out_TD, y_PD, h_sq_P
 
@@ -236,5 +247,6 @@ def _report(call: CallRecord, channel: Channel, y_PD: torch.Tensor, weights_TK: 
     stats.placement_bytes = call.pending_placement_bytes + moved
     stats.optimizer_bytes = ADAM_STATES * owned_bytes
     stats.fwd_ms = (time.perf_counter() - t0) * 1e3
+    stats.stage_ms = dict(call.clock.ms)
     if call.training:  # modelled, not moved: see docs/systems.md
         stats.bound_optimizer_bytes = call.layer.planner.take_bound_optimizer_bytes()

@@ -18,6 +18,7 @@ from lrmoe.parallel.replicas import Replicas
 from lrmoe.parallel.rounds import Rounds
 from lrmoe.parallel.rows import RowLayout
 from lrmoe.passes.compaction import InPlace
+from lrmoe.passes.stages import StageClock
 from lrmoe.passes.stats import CallStats
 from lrmoe.planning.call_plan import CallPlan
 from lrmoe.planning.planner import LayerPlanner
@@ -96,3 +97,4 @@ class CallRecord:
     scale_TK: torch.Tensor | None = None  # and the weights of their contributions (sampled)
     log: CallLog | None = None  # where the layer reads its latest call's figures
     rounds: Rounds | None = None  # an exchange in rounds: the forward's, which the backward repeats
+    clock: StageClock = field(default_factory=StageClock)  # where the call's time went, stage by stage

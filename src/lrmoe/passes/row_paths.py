@@ -72,14 +72,18 @@ def _compact_saved(call: CallRecord, kept_rows: torch.Tensor | None, layout: Row
     saved = call.saved
     if kept_rows is None:
         return None
+    call.clock.lap("bwd_dispatch")
     if saved.acts is not None and in_place(call.rows.recv_rows, layout.recv_rows):
         saved.in_place = compact_in_place([saved.rows_RD, *saved.acts.values()], kept_rows, call.rows.slot_counts,
                                           layout.slot_counts)
         call.stats.compaction = "in place"
-        return saved.in_place.order_R.to(kept_rows.device)
-    saved.rows_RD = gather_kept_rows(saved, kept_rows, call.meter)
-    call.stats.compaction = "gathered"
-    return None
+        order_R = saved.in_place.order_R.to(kept_rows.device)
+    else:
+        saved.rows_RD = gather_kept_rows(saved, kept_rows, call.meter)
+        call.stats.compaction = "gathered"
+        order_R = None
+    call.clock.lap("bwd_compact")
+    return order_R
 
 
 def _packed_in_order(dy: DyRows, layout: RowLayout, order_R: torch.Tensor | None, channel: Channel) -> torch.Tensor:

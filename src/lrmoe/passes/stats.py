@@ -30,6 +30,7 @@ class CallStats:
     placement_bytes: int | None = None  # parameter bytes moved for copies since the last training call
     optimizer_bytes: int | None = None  # Adam(W) moments of the owned experts
     fwd_ms: float | None = None
+    stage_ms: dict[str, float] | None = None  # ms per stage of the passes run so far (lrmoe.passes.stages)
     bound_optimizer_bytes: int | None = None  # optimizer state bound to new copies (modelled)
     exchange_rounds: int | None = None  # an exact call keeping nothing under a cap: rounds of each exchange
     # backward

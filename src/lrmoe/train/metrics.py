@@ -9,6 +9,7 @@
 | ``val_loss`` | validation cross entropy (only on evaluation steps) |
 | ``moe_fwd_ms``, ``moe_bwd_ms`` | routed forward / backward time this step, sum over layers, max over ranks |
 | ``moe_placement_ms`` | ``step_end`` time this step (replica re-planning and refresh), max over ranks |
+| ``moe_stage_ms`` | {stage: ms} of the routed passes (:mod:`lrmoe.passes.stages`), sum over layers, mean over ranks |
 | ``moe_time_s`` | cumulative moe_fwd_ms + moe_bwd_ms + moe_placement_ms (seconds) since step 1 |
 | ``a2a_bytes`` | all-to-all bytes sent this step, forward + backward, all layers, all ranks |
 | ``bwd_a2a_bytes`` | the backward's share of them |
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lrmoe.models import MoETransformer
+from lrmoe.passes.stages import STAGES
 from lrmoe.train.groups import Groups, all_reduce
 
 
@@ -61,7 +63,8 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
                        sum(s.get("placement_bytes", 0) for s in stats),
                        sum(s.get("bwd_a2a_bytes", 0) for s in stats),
                        sum(s.get("fwd_a2a_inter_bytes", 0) + s.get("bwd_a2a_inter_bytes", 0) for s in stats),
-                       sum(s.get("replica_slots", 0) for s in stats) / max(len(stats), 1)],
+                       sum(s.get("replica_slots", 0) for s in stats) / max(len(stats), 1),
+                       *(sum(s.get("stage_ms", {}).get(k, 0.0) for s in stats) for k in STAGES)],
                       dtype=torch.float64)
     all_reduce(mx, groups.world_group, dist.ReduceOp.MAX)
     all_reduce(sm, groups.world_group)
@@ -80,6 +83,7 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
         "load_min": counts.min(1).values.tolist(), "load_max": counts.max(1).values.tolist(),
         "load_cv": (counts.std(1, unbiased=False) / mean).tolist(),
         "replica_slots": float(sm[4]) / groups.world,  # mean over layers, then over ranks
+        "moe_stage_ms": {k: round(float(v) / groups.world, 3) for k, v in zip(STAGES, sm[5:])},
         **({"keep_modes": [s["keep_mode"] for s in stats]} if all("keep_mode" in s for s in stats) and stats else {}),
         **chunks,
         "_counts": counts,
