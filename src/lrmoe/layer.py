@@ -134,18 +134,26 @@ class MoELayer(nn.Module):
     def controller(self) -> Controller | None:
         return self.planner.controller
 
-    def _refresh_replicas(self) -> None:
-        self._placement_bytes += self.replicas.refresh(
-            self.experts.gate_up_proj.detach(), self.experts.down_proj.detach(), self.placement, self.rank,
-            self.group)
+    def _refresh_replicas(self, wait: bool = True) -> None:
+        refresh = self.replicas.refresh if wait else self.replicas.start_refresh
+        self._placement_bytes += refresh(self.experts.gate_up_proj.detach(), self.experts.down_proj.detach(),
+                                         self.placement, self.rank, self.group)
         self._stale = False
 
     @torch.no_grad()
     def step_end(self) -> None:
         """Call after every optimizer step (collective): re-plans replicas when due and
-        refreshes every replica from its owner's updated parameters. A no-op without replicas."""
+        refreshes every replica from its owner's updated parameters. A no-op without replicas.
+        The refresh is issued, not waited for: its rows travel while the next step runs up to
+        this layer, whose forward installs them (its ``fwd_fetch`` stage holds any wait left);
+        :meth:`wait_for_replicas` waits for them now."""
         if self.planner.step_end():
-            self._refresh_replicas()
+            self._refresh_replicas(wait=False)
+
+    def wait_for_replicas(self) -> None:
+        """Install the replicas a ``step_end`` refresh is still fetching (before a checkpoint, or
+        the process group's end, so that no exchange is left under way)."""
+        self.replicas.ready()
 
     def train_state(self) -> dict:
         """What a checkpoint needs beyond the state dict to resume exactly: load statistics,

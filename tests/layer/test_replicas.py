@@ -237,16 +237,59 @@ def replica_free_refresh_case(group):
     sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
     layer = MoELayer(cfg, system="lrmoe", group=group, budget=ClusterBudget(50_000_000), replan_interval=1)
     layer.load_full_state_dict(sd)
-    exchanges, real = [], replicas.comm.all_to_all
+    exchanges, real = [], replicas.comm.all_to_all_start
     for _ in range(2):
         layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
-        replicas.comm.all_to_all = lambda *a, **k: exchanges.append(1) or real(*a, **k)
+        replicas.comm.all_to_all_start = lambda *a, **k: exchanges.append(1) or real(*a, **k)
         try:
             layer.step_end()
+            layer.wait_for_replicas()
         finally:
-            replicas.comm.all_to_all = real
+            replicas.comm.all_to_all_start = real
     assert layer.placement.num_copies == cfg.num_experts and len(layer.replicas.experts) == 0
     return len(exchanges)
+
+
+def overlapped_refresh_case(group):
+    """step_end issues the refresh and returns; the next forward (or wait_for_replicas) waits."""
+    from lrmoe.parallel import replicas
+    from lrmoe.parallel.comm import PendingExchange
+
+    cfg = MoEConfig(**CFG)
+    rank = comm.rank_of(group)
+    sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
+    layer = MoELayer(cfg, system="symi", group=group)
+    layer.load_full_state_dict(sd)
+    started, waited = [], []
+    real_start, real_wait = replicas.comm.all_to_all_start, PendingExchange.wait
+
+    def start(*args, **kwargs):
+        started.append(real_start(*args, **kwargs))
+        return started[-1]
+
+    PendingExchange.wait = lambda self: waited.append(id(self)) or real_wait(self)
+    try:
+        layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+        replicas.comm.all_to_all_start = start
+        layer.step_end()  # symi re-plans and refreshes every step
+        replicas.comm.all_to_all_start = real_start
+        refresh = id(started[-1])
+        in_step_end = refresh in waited
+        layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+        in_forward = refresh in waited
+        replicas.comm.all_to_all_start = start
+        layer.step_end()
+        replicas.comm.all_to_all_start = real_start
+        before, _ = id(started[-1]) in waited, layer.wait_for_replicas()
+        after = id(started[-1]) in waited
+    finally:
+        replicas.comm.all_to_all_start, PendingExchange.wait = real_start, real_wait
+    assert layer.placement.num_copies > cfg.num_experts, "symi holds replicas here"
+    return in_step_end, in_forward, before, after
+
+
+def test_step_end_issues_the_refresh_and_the_next_forward_waits_for_it(pool):
+    assert pool.run(2, overlapped_refresh_case) == [(False, True, False, True)] * 2
 
 
 def test_a_replica_free_placement_refreshes_without_an_exchange(pool):

@@ -67,6 +67,35 @@ def all_to_all(
     the ones every peer agrees on (they are derived from already-exchanged counts, never
     guessed), so no size exchange is needed here.
     """
+    return all_to_all_start(send_XD, send_splits, recv_splits, group, counter).wait()
+
+
+@dataclass
+class PendingExchange:
+    """An :func:`all_to_all_start` under way: :meth:`wait` returns the received rows."""
+
+    recv_XD: torch.Tensor
+    work: dist.Work | None  # None: nothing was exchanged (world 1) or it is done
+    home: torch.device
+    send_XD: torch.Tensor | None = None  # held until the exchange is done
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.send_XD = None
+        return self.recv_XD.to(self.home)
+
+
+def all_to_all_start(
+    send_XD: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Group,
+    counter: WireCounter | None = None,
+) -> PendingExchange:
+    """:func:`all_to_all` issued without waiting for it (every rank must issue it in the same
+    order among its collectives, as any other): the rows arrive while the caller goes on, and
+    :meth:`PendingExchange.wait` hands them over. ``send_XD`` must not change until then."""
     me = rank_of(group)
     if counter is not None:
         row_bytes = math.prod(send_XD.shape[1:]) * send_XD.element_size()
@@ -76,12 +105,12 @@ def all_to_all(
             node = counter.node_of
             counter.inter_sent += sum(n for r, n in enumerate(send_splits) if node[r] != node[me]) * row_bytes
     if world_size(group) == 1:
-        return send_XD
+        return PendingExchange(send_XD, None, send_XD.device)
     home, device = send_XD.device, comm_device(group)
     send_XD = send_XD.contiguous() if device is None else send_XD.to(device).contiguous()
     recv_XD = send_XD.new_empty((sum(recv_splits), *send_XD.shape[1:]))
-    dist.all_to_all_single(recv_XD, send_XD, recv_splits, send_splits, group=group)
-    return recv_XD.to(home)
+    work = dist.all_to_all_single(recv_XD, send_XD, recv_splits, send_splits, group=group, async_op=True)
+    return PendingExchange(recv_XD, work, home, send_XD)
 
 
 def all_gather(

@@ -9,6 +9,8 @@ backward of the layer call that produced it. One expert travels as one row of 3�
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -27,6 +29,16 @@ def flat_rows(gate_up: torch.Tensor, down: torch.Tensor, idx: list[int] | None =
     return torch.cat([gate_up.flatten(1), down.flatten(1)], dim=1)
 
 
+@dataclass
+class _Pending:
+    """A refresh under way: the exchange (None: no replica anywhere), each received row's slot,
+    and the experts the replicas will then be."""
+
+    exchange: comm.PendingExchange | None
+    slot: torch.Tensor
+    experts: tuple[int, ...]
+
+
 class Replicas(nn.Module):
     """This rank's replica weights, in its replica slot order (ascending expert id)."""
 
@@ -36,6 +48,7 @@ class Replicas(nn.Module):
         self.register_buffer("gate_up_proj", torch.empty(0, 2 * ffn_dim, dim, dtype=dtype), persistent=False)
         self.register_buffer("down_proj", torch.empty(0, dim, ffn_dim, dtype=dtype), persistent=False)
         self.experts: tuple[int, ...] = ()
+        self._pending: _Pending | None = None  # a refresh under way (start_refresh)
 
     def _unflat(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the (n, 2F, D) and (n, D, F) halves of rows of 3·D·F values."""
@@ -48,29 +61,51 @@ class Replicas(nn.Module):
         """Fetch every replica this rank holds from its owner (collective). Returns the bytes this
         rank sent. A placement without replicas on any rank (every rank holds the same one)
         exchanges nothing: each rank's replica set is simply emptied."""
+        sent = self.start_refresh(gate_up, down, placement, rank, group)
+        self.ready()
+        return sent
+
+    @torch.no_grad()
+    def start_refresh(self, gate_up: torch.Tensor, down: torch.Tensor, placement: Placement, rank: int,
+                      group: Group) -> int:
+        """:meth:`refresh` issued without waiting for the rows (collective): they travel while
+        the caller goes on (after an optimizer step: the next step's attention), and
+        :meth:`ready` installs them — every use of the replicas' weights calls it first.
+        Returns the bytes this rank sent."""
+        self.ready()
+        mine = placement.replicas(rank)
         if placement.num_copies == placement.num_experts:
-            self.gate_up_proj, self.down_proj = self.gate_up_proj[:0], self.down_proj[:0]
-            self.experts = ()
+            self._pending = _Pending(None, torch.empty(0, dtype=torch.long), mine)
             return 0
         W = placement.world
         owned = placement.owned(rank)
         sends = [[e for e in placement.replicas(d) if int(placement.owner_E[e]) == rank] for d in range(W)]
         send = flat_rows(gate_up, down, [owned.index(e) for d in range(W) for e in sends[d]])
-        mine = placement.replicas(rank)
         by_source = [[e for e in mine if int(placement.owner_E[e]) == s] for s in range(W)]
         wire = WireCounter()
-        recv = comm.all_to_all(send, [len(s) for s in sends], [len(s) for s in by_source], group, wire)
+        exchange = comm.all_to_all_start(send, [len(s) for s in sends], [len(s) for s in by_source], group, wire)
         slot = torch.tensor([mine.index(e) for s in range(W) for e in by_source[s]], dtype=torch.long,
-                            device=recv.device)  # each received row's replica slot
-        recv_gu, recv_down = self._unflat(recv)
-        self.gate_up_proj = recv_gu.new_empty(recv_gu.shape).index_copy_(0, slot, recv_gu)
-        self.down_proj = recv_down.new_empty(recv_down.shape).index_copy_(0, slot, recv_down)
-        self.experts = mine
+                            device=gate_up.device)  # each received row's replica slot
+        self._pending = _Pending(exchange, slot, mine)
         return wire.sent
+
+    def ready(self) -> None:
+        """Install the rows of a refresh under way (waits for them); nothing if none is."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.exchange is None:  # no replica anywhere
+            self.gate_up_proj, self.down_proj = self.gate_up_proj[:0], self.down_proj[:0]
+        else:
+            recv_gu, recv_down = self._unflat(pending.exchange.wait())
+            self.gate_up_proj = recv_gu.new_empty(recv_gu.shape).index_copy_(0, pending.slot, recv_gu)
+            self.down_proj = recv_down.new_empty(recv_down.shape).index_copy_(0, pending.slot, recv_down)
+        self.experts = pending.experts
 
     def load_from_full(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, placement: Placement,
                        rank: int) -> None:
         """Fill replicas from world-size-1 tensors every rank has (no communication)."""
+        self.ready()
         mine = list(placement.replicas(rank))
         self.gate_up_proj = full_gate_up[mine].clone().to(self.gate_up_proj.dtype)
         self.down_proj = full_down[mine].clone().to(self.down_proj.dtype)

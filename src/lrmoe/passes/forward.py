@@ -118,6 +118,7 @@ def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, c
     the local slots' weights, and the call's meter, which from here on hears of every row the
     channel delivers."""
     layer, placement = call.layer, call.plan.placement
+    layer.replicas.ready()  # a refresh the last step_end started: its rows are needed now
     moved = 0
     if call.plan.fetch:
         moved += layer.replicas.refresh(gate_up.detach(), down.detach(), placement, layer.rank, layer.group)

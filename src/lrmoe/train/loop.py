@@ -209,8 +209,16 @@ def _log(run: _Run, record: dict) -> None:
         run.board.log(record)
 
 
+def _wait_for_replicas(model: MoETransformer | None) -> None:
+    """No replica refresh left under way (``MoELayer.step_end`` issues them): before a checkpoint
+    and at the run's end (``None``: no model was built)."""
+    for layer in model.moe_layers if model is not None else ():
+        layer.wait_for_replicas()
+
+
 def _finish(run: _Run, summary: dict) -> dict:
     """Close the loggers; rank 0 writes ``routing.npz`` and ``summary.json``. Returns the summary."""
+    _wait_for_replicas(run.model)
     run.progress.close()
     if run.board is not None:
         run.board.close()
@@ -250,6 +258,7 @@ def _step(run: _Run, step: int, eval_steps: set[int], stop_at: float | None, sum
     reached = stop_at is not None and record.get("val_loss", math.inf) <= stop_at
     if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == run.total_steps or reached:
         with during("checkpoint"):
+            _wait_for_replicas(run.model)
             save(run.out, done, run.state, run.batches, run.history, run.groups, t.keep_checkpoints)
             if t.hf_model:
                 _export(run, done, final=done == run.total_steps or reached)
