@@ -119,6 +119,11 @@ class MoELayer(nn.Module):
         self._placement_bytes = 0  # parameter bytes moved since the last training call
         self._stale = self.planner.keeps_replicas  # replicas to fetch before the next forward
         self.aux_loss: torch.Tensor = torch.zeros(())
+        # Replica gradients sent to their owners while the rest of the backward runs, added to
+        # the owned experts' .grad when the pass ends (DDP-style). Off by default: with it,
+        # torch.autograd.grad on the experts' weights would miss the replicas' share; the
+        # training loop, which only calls .backward(), turns it on.
+        self.overlap_replica_grads = False
 
     # ---------------------------------------------------------------- placement
     @property
@@ -200,7 +205,8 @@ class MoELayer(nn.Module):
         # forward-only call (evaluation between steps) only its own, leaving those for the next.
         pending = self._placement_bytes if training else 0
         self._placement_bytes -= pending
-        call = CallRecord(self._routed, routing.ids_TK, training, pending, log=self._calls)
+        call = CallRecord(self._routed, routing.ids_TK, training, pending, log=self._calls,
+                          overlap_grads=self.overlap_replica_grads)
         self._calls.began(call)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if training:

@@ -17,9 +17,10 @@ from tests.oracles.dense_moe import reference_grads
 CFG = dict(dim=16, ffn_dim=24, num_experts=8, top_k=2)
 
 
-def replicated_case(group, system, steps, skew, budget_bytes=None, link_gbps=None):
+def replicated_case(group, system, steps, skew, budget_bytes=None, link_gbps=None, overlap=False):
     """Run ``steps`` optimizer-free iterations (step_end between them, placement re-planned)
-    and compare every call with the dense reference and the static system."""
+    and compare every call with the dense reference and the static system (``overlap``: the
+    replicas' gradients finished at the backward pass's end)."""
     cfg = MoEConfig(**CFG)
     world, rank = comm.world_size(group), comm.rank_of(group)
     sd, x, g = skewed_tokens(cfg, 40, 3, skew)
@@ -30,6 +31,7 @@ def replicated_case(group, system, steps, skew, budget_bytes=None, link_gbps=Non
         kwargs = dict(budget=ClusterBudget(budget_bytes, inter_node_gbps=link_gbps), replan_interval=1)
     layer = MoELayer(cfg, system=system, group=group, **kwargs)
     layer.load_full_state_dict(sd)
+    layer.overlap_replica_grads = overlap
     static = MoELayer(cfg, group=group)
     static.load_full_state_dict(sd)
     holders_seen = []
@@ -66,6 +68,60 @@ def test_symi_equals_static_and_reference(pool, world, skew):
     assert any(len(h) > 1 for h in holders[-1]), "symi holds replicas"
     if skew == "hot":
         assert len(holders[-1][0]) > 1, "the hot expert gets replicated"
+
+
+@pytest.mark.parametrize("system", ["symi", "lrmoe"])
+def test_replica_gradients_finished_at_the_backward_end_are_exact(pool, system):
+    """With the training loop's opt-in the owners' gradients (dense reference, every step) are
+    the same: the replicas' share arrives when the backward pass ends."""
+    budget = (50_000_000, 1e6) if system == "lrmoe" else (None, None)
+    res = pool.run(2, replicated_case, system, 3, "hot", *budget, True)
+    assert any(len(h) > 1 for h in res[0][0][-1]), "replicas held"
+
+
+class _Upstream(torch.autograd.Function):
+    """Identity whose backward records that it ran: upstream of the layer, it runs after the
+    layer's backward has returned."""
+
+    ran: list[str] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Upstream.ran.append("upstream")
+        return g
+
+
+def overlap_order_case(group, overlap: bool):
+    from lrmoe.parallel.replicas import PendingGrads
+
+    cfg = MoEConfig(**CFG)
+    rank = comm.rank_of(group)
+    sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
+    layer = MoELayer(cfg, system="symi", group=group)
+    layer.load_full_state_dict(sd)
+    layer.overlap_replica_grads = overlap
+    xs = x[rank * 8:(rank + 1) * 8]
+    layer(xs).sum().backward()
+    layer.step_end()  # symi holds replicas from here
+    real = PendingGrads.add_into
+    PendingGrads.add_into = lambda self, *a: _Upstream.ran.append("reduce") or real(self, *a)
+    try:
+        _Upstream.ran.clear()
+        layer(_Upstream.apply(xs.clone().requires_grad_(True))).sum().backward()
+    finally:
+        PendingGrads.add_into = real
+    assert layer.placement.num_copies > cfg.num_experts
+    stage = layer.last_stats["stage_ms"]["bwd_reduce_grads"]
+    return list(_Upstream.ran), stage > 0
+
+
+@pytest.mark.parametrize(("overlap", "order"), [(False, ["reduce", "upstream"]), (True, ["upstream", "reduce"])])
+def test_replica_gradients_wait_for_the_backward_end_only_with_the_opt_in(pool, overlap, order):
+    assert pool.run(2, overlap_order_case, overlap) == [(order, True)] * 2
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -9,6 +9,7 @@ backward of the layer call that produced it. One expert travels as one row of 3Â
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,18 +120,40 @@ class Replicas(nn.Module):
         """Send replica-slot gradients to owners, and add the gradients this rank's owned experts
         receive from others' replicas into ``into`` (the owned experts' gradients, in place: only
         the experts that have replicas are touched). Returns ``into``."""
+        self.start_reduce_grads(dgate_up, ddown, placement, rank, group, wire).add_into(*into)
+        return into
+
+    def start_reduce_grads(self, dgate_up: torch.Tensor, ddown: torch.Tensor, placement: Placement, rank: int,
+                           group: Group, wire: WireCounter) -> PendingGrads:
+        """:meth:`reduce_grads` issued without waiting (collective): the returned
+        :class:`PendingGrads` adds the owned experts' share where it is finished."""
         W = placement.world
         mine = placement.replicas(rank)
         to_owner = [[e for e in mine if int(placement.owner_E[e]) == d] for d in range(W)]
         send = flat_rows(dgate_up, ddown, [mine.index(e) for d in range(W) for e in to_owner[d]])
         owned = placement.owned(rank)
         from_src = [[e for e in placement.replicas(s) if int(placement.owner_E[e]) == rank] for s in range(W)]
-        recv = comm.all_to_all(send, [len(x) for x in to_owner], [len(x) for x in from_src], group, wire)
-        own_gu, own_down = into
-        if len(recv):
-            idx = torch.tensor([owned.index(e) for s in range(W) for e in from_src[s]], dtype=torch.long,
-                               device=recv.device)
-            recv_gu, recv_down = self._unflat(recv)
-            own_gu.index_add_(0, idx, recv_gu)
-            own_down.index_add_(0, idx, recv_down)
-        return own_gu, own_down
+        exchange = comm.all_to_all_start(send, [len(x) for x in to_owner], [len(x) for x in from_src], group, wire)
+        idx = torch.tensor([owned.index(e) for s in range(W) for e in from_src[s]], dtype=torch.long,
+                           device=dgate_up.device)
+        return PendingGrads(exchange, idx, self._unflat)
+
+
+@dataclass
+class PendingGrads:
+    """Replica gradients on their way to the owners (:meth:`Replicas.start_reduce_grads`)."""
+
+    exchange: comm.PendingExchange
+    idx: torch.Tensor  # the owned slot of each received row
+    unflat: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    def add_into(self, own_gu: torch.Tensor | None, own_down: torch.Tensor | None) -> None:
+        """Wait for the rows and add them into the owned experts' gradients (None: not wanted)."""
+        recv = self.exchange.wait()
+        if not len(recv):
+            return
+        recv_gu, recv_down = self.unflat(recv)
+        if own_gu is not None:
+            own_gu.index_add_(0, self.idx.to(recv.device), recv_gu)
+        if own_down is not None:
+            own_down.index_add_(0, self.idx.to(recv.device), recv_down)

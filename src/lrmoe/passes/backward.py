@@ -17,6 +17,7 @@ import torch
 from lrmoe import experts
 from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel
+from lrmoe.parallel.replicas import PendingGrads
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.row_paths import BackwardRows, DyRows
 from lrmoe.passes.selectors import Kept
@@ -51,17 +52,20 @@ def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, we
     dx_RD, dgate_up, ddown = call.path.compute(call, dy_RD, rows_RD, rows, gate_up, down, channel)
     clock.lap("bwd_compute")
     del rows_RD, dy_RD
-    dx_TD, dgate_up, ddown = give_back(call, dx_RD, dgate_up, ddown, x_TD, rows, gate_up.shape[0], channel)
+    dx_TD, dgate_up, ddown = give_back(call, dx_RD, dgate_up, ddown, x_TD, rows, (gate_up, down), channel)
     _report(call, kept, select_ms, rows.layout.recv_rows, channel, x_TD, t0)
     return dx_TD, dweights_TK, dgate_up, ddown
 
 
 def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, ddown: experts.Slots,
-              x_TD: torch.Tensor, rows: BackwardRows, owned: int, channel: Channel
+              x_TD: torch.Tensor, rows: BackwardRows, params: tuple[torch.Tensor, torch.Tensor], channel: Channel
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx rows home and summed per token; slot weight gradients reduced to the weights' owners
-    (collectives). Returns (dx_TD, gradients of the owned gate_up and down)."""
+    (collectives; with the layer's ``overlap_replica_grads``, the replicas' share is added to
+    the owned ``params``' ``.grad`` when the backward pass ends). Returns (dx_TD, gradients of
+    the owned gate_up and down)."""
     layer, plan, meter = call.layer, call.plan, call.meter
+    owned = params[0].shape[0]
     dx_home_ND, pairs_N = call.path.home(call, dx_RD, rows, channel)
     dx_TD = torch.zeros_like(x_TD)
     dx_TD.index_add_(0, pairs_N // call.ids_TK.shape[1], dx_home_ND)
@@ -73,10 +77,34 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, dd
     elif plan.placement.num_copies > plan.placement.num_experts:  # replica gradients go to owners
         (own_gu, rep_gu), (own_down, rep_down) = _by_set(dgate_up, owned), _by_set(ddown, owned)
         meter.hold(rep_gu, rep_down)  # the send buffer
-        dgate_up, ddown = layer.replicas.reduce_grads(rep_gu, rep_down, plan.placement, layer.rank,
-                                                      channel.group, channel.wire, into=(own_gu, own_down))
+        pending = layer.replicas.start_reduce_grads(rep_gu, rep_down, plan.placement, layer.rank, channel.group,
+                                                    channel.wire)
+        if call.overlap_grads:
+            _finish_at_backward_end(call, pending, params)
+        else:
+            pending.add_into(own_gu, own_down)
+        dgate_up, ddown = own_gu, own_down
     call.clock.lap("bwd_reduce_grads")
     return dx_TD, dgate_up, ddown
+
+
+def _finish_at_backward_end(call: CallRecord, pending: PendingGrads, params: tuple[torch.Tensor, torch.Tensor]
+                            ) -> None:
+    """The replicas' gradients reach the owned experts' ``.grad`` when the backward pass ends
+    (an autograd-engine callback, as DDP finishes its buckets): the exchange overlaps the rest
+    of the backward. The wait left then is this call's MoE time too (``bwd_reduce_grads``,
+    ``bwd_ms``). Only for ``.backward()``: ``torch.autograd.grad`` would return the owned
+    gradients without the replicas' share, hence the layer's opt-in."""
+    stats = call.stats
+
+    def finish() -> None:
+        t0 = time.perf_counter()
+        pending.add_into(*(p.grad if p.requires_grad else None for p in params))
+        ms = (time.perf_counter() - t0) * 1e3
+        stats.bwd_ms += ms
+        stats.stage_ms["bwd_reduce_grads"] = stats.stage_ms.get("bwd_reduce_grads", 0.0) + ms
+
+    torch.autograd.Variable._execution_engine.queue_callback(finish)
 
 
 def _by_set(grad: experts.Slots, owned: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,3 +98,4 @@ class CallRecord:
     log: CallLog | None = None  # where the layer reads its latest call's figures
     rounds: Rounds | None = None  # an exchange in rounds: the forward's, which the backward repeats
     clock: StageClock = field(default_factory=StageClock)  # where the call's time went, stage by stage
+    overlap_grads: bool = False  # replica gradients finished at the backward pass's end (MoELayer's opt-in)

@@ -125,6 +125,8 @@ def _build(run: _Run, resume: bool) -> None:
         run.start, run.history = unbuilt_start(cfg, run.out, resume, groups.rank)
         _loggers(run)
         raise
+    for layer in run.model.moe_layers:  # only .backward() here: replica gradients may finish at the pass's end
+        layer.overlap_replica_grads = True
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     run.state = TrainState(run.model, run.opt, groups)
     run.start, run.history = resume_from(cfg, run.out, resume, run.state, run.batches, groups)
