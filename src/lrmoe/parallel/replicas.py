@@ -36,7 +36,7 @@ class _Pending:
     and the experts the replicas will then be."""
 
     exchange: comm.PendingExchange | None
-    slot: torch.Tensor
+    slot: torch.Tensor | None  # each received row's replica slot (None: they arrive in slot order)
     experts: tuple[int, ...]
 
 
@@ -71,12 +71,15 @@ class Replicas(nn.Module):
                       group: Group) -> int:
         """:meth:`refresh` issued without waiting for the rows (collective): they travel while
         the caller goes on (after an optimizer step: the next step's attention), and
-        :meth:`ready` installs them — every use of the replicas' weights calls it first.
+        :meth:`ready` installs them — every use of the replicas' weights calls it first. The
+        replicas then are views of the received rows, nothing copied, so installing them inside
+        a layer call allocates nothing; where rows arrive out of slot order (several owners,
+        world > 2) they are installed here instead, waited for, as a plain refresh.
         Returns the bytes this rank sent."""
         self.ready()
         mine = placement.replicas(rank)
         if placement.num_copies == placement.num_experts:
-            self._pending = _Pending(None, torch.empty(0, dtype=torch.long), mine)
+            self._pending = _Pending(None, None, mine)
             return 0
         W = placement.world
         owned = placement.owned(rank)
@@ -85,9 +88,12 @@ class Replicas(nn.Module):
         by_source = [[e for e in mine if int(placement.owner_E[e]) == s] for s in range(W)]
         wire = WireCounter()
         exchange = comm.all_to_all_start(send, [len(s) for s in sends], [len(s) for s in by_source], group, wire)
-        slot = torch.tensor([mine.index(e) for s in range(W) for e in by_source[s]], dtype=torch.long,
-                            device=gate_up.device)  # each received row's replica slot
-        self._pending = _Pending(exchange, slot, mine)
+        slot = [mine.index(e) for s in range(W) for e in by_source[s]]  # each received row's replica slot
+        in_order = slot == list(range(len(mine)))
+        self._pending = _Pending(exchange, None if in_order else torch.tensor(slot, dtype=torch.long,
+                                                                              device=gate_up.device), mine)
+        if not in_order:
+            self.ready()
         return wire.sent
 
     def ready(self) -> None:
@@ -95,12 +101,16 @@ class Replicas(nn.Module):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        if pending.exchange is None:  # no replica anywhere
-            self.gate_up_proj, self.down_proj = self.gate_up_proj[:0], self.down_proj[:0]
-        else:
+        # the old copies let go first (an empty slice would keep their storage)
+        self.gate_up_proj = self.gate_up_proj.new_empty((0, *self.gate_up_proj.shape[1:]))
+        self.down_proj = self.down_proj.new_empty((0, *self.down_proj.shape[1:]))
+        if pending.exchange is not None:  # (None: no replica anywhere)
             recv_gu, recv_down = self._unflat(pending.exchange.wait())
-            self.gate_up_proj = recv_gu.new_empty(recv_gu.shape).index_copy_(0, pending.slot, recv_gu)
-            self.down_proj = recv_down.new_empty(recv_down.shape).index_copy_(0, pending.slot, recv_down)
+            if pending.slot is None:  # in slot order: the received rows are the replicas
+                self.gate_up_proj, self.down_proj = recv_gu, recv_down
+            else:
+                self.gate_up_proj = recv_gu.new_empty(recv_gu.shape).index_copy_(0, pending.slot, recv_gu)
+                self.down_proj = recv_down.new_empty(recv_down.shape).index_copy_(0, pending.slot, recv_down)
         self.experts = pending.experts
 
     def load_from_full(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, placement: Placement,
