@@ -323,21 +323,21 @@ def overlapped_refresh_case(group):
         started.append(real_start(*args, **kwargs))
         return started[-1]
 
-    PendingExchange.wait = lambda self: waited.append(id(self)) or real_wait(self)
+    PendingExchange.wait = lambda self: waited.append(self) or real_wait(self)  # held: no id reused
     try:
         layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
         replicas.comm.all_to_all_start = start
         layer.step_end()  # symi re-plans and refreshes every step
         replicas.comm.all_to_all_start = real_start
-        refresh = id(started[-1])
-        in_step_end = refresh in waited
+        refresh = started[-1]
+        in_step_end = any(w is refresh for w in waited)
         layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
-        in_forward = refresh in waited
+        in_forward = any(w is refresh for w in waited)
         replicas.comm.all_to_all_start = start
         layer.step_end()
         replicas.comm.all_to_all_start = real_start
-        before, _ = id(started[-1]) in waited, layer.wait_for_replicas()
-        after = id(started[-1]) in waited
+        before, _ = any(w is started[-1] for w in waited), layer.wait_for_replicas()
+        after = any(w is started[-1] for w in waited)
     finally:
         replicas.comm.all_to_all_start, PendingExchange.wait = real_start, real_wait
     assert layer.placement.num_copies > cfg.num_experts, "symi holds replicas here"
