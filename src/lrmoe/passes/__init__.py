@@ -3,6 +3,7 @@
     record.py     LayerContext (what the passes use of their layer) and CallRecord (one call,
                   from its forward to its backward)
     stats.py      CallStats: a call's figures, typed; MoELayer.last_stats is its dict view
+    stages.py     the passes' stage names and the clock that times them (stats' stage_ms)
     forward.py    plan → fetch weights → dispatch → compute → combine → save
     backward.py   select → plan rows → dispatch → compute → return
     selectors.py  the backward's selection: the forward's pairs, a global one, a local one in strata
