@@ -1,6 +1,7 @@
 """Collectives of the expert-parallel data path, with exact byte accounting.
 
-Every exchange of a layer call goes through :func:`all_to_all` (uneven ``all_to_all_single``),
+Every exchange of a layer call goes through :func:`all_to_all` (uneven ``all_to_all_single``;
+:func:`all_to_all_start` where the caller goes on while it travels),
 including the small ones (per-expert counts, scores), so one counter sees every byte a rank
 puts on the wire. A ``group`` of ``None`` or of size 1 is world size 1: the same code, no
 collective. List-form ``dist.all_to_all`` is avoided on purpose: gloo rejects uneven shapes.

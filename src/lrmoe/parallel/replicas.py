@@ -2,8 +2,10 @@
 
 Owners keep parameters and optimizer state; a replica is a plain buffer (not a parameter, not
 in the state dict) that receives the owner's current weights after each optimizer step or
-re-placement, and whose weight gradient is sent back and added to the owner's gradient in the
-backward of the layer call that produced it. One expert travels as one row of 3·D·F values
+re-placement (fetched while the next step runs up to the layer: :meth:`Replicas.start_refresh`),
+and whose weight gradient is sent back and added to the owner's gradient in the backward of the
+layer call that produced it (or, with the layer's ``overlap_replica_grads``, when that backward
+pass ends: :class:`PendingGrads`). One expert travels as one row of 3·D·F values
 (gate_up then down, flattened).
 """
 
