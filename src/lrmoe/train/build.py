@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from torch import nn
 
 from lrmoe.layer import MoELayer, moe_layers
 from lrmoe.models import ModelConfig, MoETransformer
@@ -47,6 +48,21 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
         layer.load_full_state_dict({k[len(prefix) + 1 :]: v for k, v in full.items() if k.startswith(prefix + ".")})
     assert all(any(k.startswith(p + ".") for p in moe_prefixes) for k in missing), missing
     return model
+
+
+def for_training(model: nn.Module) -> nn.Module:
+    """``model`` as the training loop uses it: the loop only calls ``.backward()``, so the
+    replicas' gradients may finish when the backward pass ends (``MoELayer.overlap_replica_grads``)."""
+    for _, layer in moe_layers(model):
+        layer.overlap_replica_grads = True
+    return model
+
+
+def wait_for_replicas(model: nn.Module | None) -> None:
+    """No replica refresh left under way (``MoELayer.step_end`` issues them): before a checkpoint,
+    and before the process group ends (None: no model was built)."""
+    for _, layer in moe_layers(model) if model is not None else ():
+        layer.wait_for_replicas()
 
 
 def read_routing_trace(path: str, model_cfg: ModelConfig) -> torch.Tensor:

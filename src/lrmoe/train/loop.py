@@ -30,12 +30,12 @@ import torch.distributed as dist
 from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.models import MoETransformer
 from lrmoe.train import checkpoint
-from lrmoe.train.build import build_model
+from lrmoe.train.build import build_model, for_training, wait_for_replicas
 from lrmoe.train.config import RunConfig, TrainConfig
 from lrmoe.train.data import TokenData
 from lrmoe.train.groups import Groups, all_reduce, reduce_gradients, train_device
 from lrmoe.train.hf_model import save_pretrained
-from lrmoe.train.metrics import Progress, TensorBoardLog, grad_norm, step_metrics
+from lrmoe.train.metrics import Progress, TensorBoardLog, grad_norm, nonfinite, step_metrics
 from lrmoe.train.oom import OutOfMemory, agree, during, evaluate, fitting
 from lrmoe.train.resume import PeerRankError, TrainStream, fresh_history, save, unbuilt_start
 from lrmoe.train.resume import start as resume_from
@@ -116,7 +116,7 @@ def _build(run: _Run, resume: bool) -> None:
     cfg, t, groups = run.cfg, run.cfg.train, run.groups
     error = None
     try:
-        run.model = build_model(cfg, run.data.vocab_size, groups).to(run.device)
+        run.model = for_training(build_model(cfg, run.data.vocab_size, groups)).to(run.device)
     except MemoryBudgetExceeded as e:
         error = e
     try:
@@ -125,8 +125,6 @@ def _build(run: _Run, resume: bool) -> None:
         run.start, run.history = unbuilt_start(cfg, run.out, resume, groups.rank)
         _loggers(run)
         raise
-    for layer in run.model.moe_layers:  # only .backward() here: replica gradients may finish at the pass's end
-        layer.overlap_replica_grads = True
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     run.state = TrainState(run.model, run.opt, groups)
     run.start, run.history = resume_from(cfg, run.out, resume, run.state, run.batches, groups)
@@ -151,17 +149,12 @@ def _stop_oom(run: _Run, step: int, oom: OutOfMemory, summary: dict) -> None:
 
 def _update(run: _Run, loss: torch.Tensor, step: int) -> tuple[bool, float]:
     """Backward, gradient reduction and the optimizer step, skipped (or the run stopped, by
-    ``on_nonfinite``) where any rank's loss or gradient is not finite. Returns (skipped, the
-    gradient norm)."""
+    ``on_nonfinite``) where any rank's loss or gradient is not finite. Returns (skipped, norm)."""
     model, groups, t = run.model, run.groups, run.cfg.train
     loss.backward()
     reduce_gradients(model, groups)
     norm = grad_norm(model, groups)
-    # A non-finite gradient makes the norm non-finite, so a finite norm settles it without a pass
-    # over every gradient (that pass cost 8 % of a step's wall time on the 2-core VM); a norm
-    # that overflowed from finite gradients is told apart by the pass itself.
-    finite = torch.tensor([float(torch.isfinite(loss).item() and (
-        math.isfinite(norm) or all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)))])
+    finite = torch.tensor([float(not nonfinite(loss, norm, model))])
     all_reduce(finite, groups.world_group, dist.ReduceOp.MIN)
     skipped = not bool(finite.item())
     if skipped and t.on_nonfinite == "stop":
@@ -211,16 +204,9 @@ def _log(run: _Run, record: dict) -> None:
         run.board.log(record)
 
 
-def _wait_for_replicas(model: MoETransformer | None) -> None:
-    """No replica refresh left under way (``MoELayer.step_end`` issues them): before a checkpoint
-    and at the run's end (``None``: no model was built)."""
-    for layer in model.moe_layers if model is not None else ():
-        layer.wait_for_replicas()
-
-
 def _finish(run: _Run, summary: dict) -> dict:
     """Close the loggers; rank 0 writes ``routing.npz`` and ``summary.json``. Returns the summary."""
-    _wait_for_replicas(run.model)
+    wait_for_replicas(run.model)
     run.progress.close()
     if run.board is not None:
         run.board.close()
@@ -260,7 +246,7 @@ def _step(run: _Run, step: int, eval_steps: set[int], stop_at: float | None, sum
     reached = stop_at is not None and record.get("val_loss", math.inf) <= stop_at
     if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == run.total_steps or reached:
         with during("checkpoint"):
-            _wait_for_replicas(run.model)
+            wait_for_replicas(run.model)
             save(run.out, done, run.state, run.batches, run.history, run.groups, t.keep_checkpoints)
             if t.hf_model:
                 _export(run, done, final=done == run.total_steps or reached)
