@@ -98,13 +98,8 @@ class _Upstream(torch.autograd.Function):
 def overlap_order_case(group, overlap: bool):
     from lrmoe.parallel.replicas import PendingGrads
 
-    cfg = MoEConfig(**CFG)
-    rank = comm.rank_of(group)
-    sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
-    layer = MoELayer(cfg, system="symi", group=group)
-    layer.load_full_state_dict(sd)
+    cfg, layer, xs = hot_layer(group)
     layer.overlap_replica_grads = overlap
-    xs = x[rank * 8:(rank + 1) * 8]
     layer(xs).sum().backward()
     layer.step_end()  # symi holds replicas from here
     real = PendingGrads.add_into
@@ -264,18 +259,25 @@ def test_skewed_workloads(pool, system, pattern):
 # ------------------------------------------------------------------- refresh bytes, network budget
 
 
-def placement_bytes_case(group):
-    """A refresh sends each replica's parameters once from its owner: count them independently."""
+def hot_layer(group, system: str = "symi", **kwargs):
+    """(cfg, layer, this rank's 8 tokens): ``system`` at 2 ranks of 8 tokens, one hot expert."""
     cfg = MoEConfig(**CFG)
     rank = comm.rank_of(group)
-    sd, x, g = skewed_tokens(cfg, 32, 2, "hot")
-    layer = MoELayer(cfg, system="symi", group=group)
+    sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
+    layer = MoELayer(cfg, system=system, group=group, **kwargs)
     layer.load_full_state_dict(sd)
-    layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+    return cfg, layer, x[rank * 8:(rank + 1) * 8]
+
+
+def placement_bytes_case(group):
+    """A refresh sends each replica's parameters once from its owner: count them independently."""
+    cfg, layer, xs = hot_layer(group)
+    rank = comm.rank_of(group)
+    layer(xs).sum().backward()
     layer.step_end()  # symi re-plans and refreshes every step
     p = layer.placement
     mine = sum(1 for r in range(p.world) for e in p.replicas(r) if int(p.owner_E[e]) == rank)
-    layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+    layer(xs).sum().backward()
     assert layer.last_stats["placement_bytes"] == mine * 3 * cfg.dim * cfg.ffn_dim * 4
     return mine
 
@@ -288,14 +290,10 @@ def replica_free_refresh_case(group):
     """lrmoe at the default link keeps owned experts only here: its step_end exchanges nothing."""
     from lrmoe.parallel import replicas
 
-    cfg = MoEConfig(**CFG)
-    rank = comm.rank_of(group)
-    sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
-    layer = MoELayer(cfg, system="lrmoe", group=group, budget=ClusterBudget(50_000_000), replan_interval=1)
-    layer.load_full_state_dict(sd)
+    cfg, layer, xs = hot_layer(group, "lrmoe", budget=ClusterBudget(50_000_000), replan_interval=1)
     exchanges, real = [], replicas.comm.all_to_all_start
     for _ in range(2):
-        layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+        layer(xs).sum().backward()
         replicas.comm.all_to_all_start = lambda *a, **k: exchanges.append(1) or real(*a, **k)
         try:
             layer.step_end()
@@ -311,11 +309,7 @@ def overlapped_refresh_case(group):
     from lrmoe.parallel import replicas
     from lrmoe.parallel.comm import PendingExchange
 
-    cfg = MoEConfig(**CFG)
-    rank = comm.rank_of(group)
-    sd, x, _ = skewed_tokens(cfg, 32, 2, "hot")
-    layer = MoELayer(cfg, system="symi", group=group)
-    layer.load_full_state_dict(sd)
+    cfg, layer, xs = hot_layer(group)
     started, waited = [], []
     real_start, real_wait = replicas.comm.all_to_all_start, PendingExchange.wait
 
@@ -325,13 +319,13 @@ def overlapped_refresh_case(group):
 
     PendingExchange.wait = lambda self: waited.append(self) or real_wait(self)  # held: no id reused
     try:
-        layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+        layer(xs).sum().backward()
         replicas.comm.all_to_all_start = start
         layer.step_end()  # symi re-plans and refreshes every step
         replicas.comm.all_to_all_start = real_start
         refresh = started[-1]
         in_step_end = any(w is refresh for w in waited)
-        layer(x[rank * 8:(rank + 1) * 8]).sum().backward()
+        layer(xs).sum().backward()
         in_forward = any(w is refresh for w in waited)
         replicas.comm.all_to_all_start = start
         layer.step_end()

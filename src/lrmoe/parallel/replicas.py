@@ -124,21 +124,11 @@ class Replicas(nn.Module):
         self.down_proj = full_down[mine].clone().to(self.down_proj.dtype)
         self.experts = tuple(mine)
 
-    def reduce_grads(
-        self, dgate_up: torch.Tensor, ddown: torch.Tensor, placement: Placement, rank: int, group: Group,
-        wire: WireCounter,
-        into: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send replica-slot gradients to owners, and add the gradients this rank's owned experts
-        receive from others' replicas into ``into`` (the owned experts' gradients, in place: only
-        the experts that have replicas are touched). Returns ``into``."""
-        self.start_reduce_grads(dgate_up, ddown, placement, rank, group, wire).add_into(*into)
-        return into
-
     def start_reduce_grads(self, dgate_up: torch.Tensor, ddown: torch.Tensor, placement: Placement, rank: int,
                            group: Group, wire: WireCounter) -> PendingGrads:
-        """:meth:`reduce_grads` issued without waiting (collective): the returned
-        :class:`PendingGrads` adds the owned experts' share where it is finished."""
+        """Send replica-slot gradients to their owners without waiting (collective): the returned
+        :class:`PendingGrads` adds what this rank's owned experts receive from others' replicas
+        into their gradients (only the experts that have replicas are touched)."""
         W = placement.world
         mine = placement.replicas(rank)
         to_owner = [[e for e in mine if int(placement.owner_E[e]) == d] for d in range(W)]
@@ -164,8 +154,7 @@ class PendingGrads:
         recv = self.exchange.wait()
         if not len(recv):
             return
-        recv_gu, recv_down = self.unflat(recv)
-        if own_gu is not None:
-            own_gu.index_add_(0, self.idx.to(recv.device), recv_gu)
-        if own_down is not None:
-            own_down.index_add_(0, self.idx.to(recv.device), recv_down)
+        idx = self.idx.to(recv.device)
+        for own, got in zip((own_gu, own_down), self.unflat(recv)):
+            if own is not None:
+                own.index_add_(0, idx, got)
