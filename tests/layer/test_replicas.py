@@ -11,6 +11,8 @@ import torch
 
 from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
 from lrmoe.parallel import comm
+from lrmoe.parallel.replicas import Replicas
+from lrmoe.planning.placement import Placement
 from tests.helpers.layer import close, equals_kept_reference, skewed_tokens, split_tokens
 from tests.oracles.dense_moe import reference_grads
 
@@ -372,3 +374,31 @@ def test_a_network_fraction_is_the_mean_loaded_ranks_keep_nothing_bytes(pool):
     assert as_fraction == pool.run(2, network_case, int(0.3 * 256) * 3 * 16 * 4)[0] < 512
     with pytest.raises(ValueError, match="not both"):
         ClusterBudget(memory_bytes=10**6, network_bytes=1000, network_fraction=0.5)
+
+
+def out_of_order_refresh_case(group, wait):
+    """Owners not in expert order (rank 0's replicas 1 and 2 come from ranks 3 and 2): the
+    received rows, in source order, must land in their replica slots. ``wait``: a plain refresh,
+    else a started one installed by ``ready``."""
+    rank, D, F = comm.rank_of(group), 2, 3
+    owner_E = torch.tensor([0, 3, 2, 1, 0, 1, 2, 3])
+    owned = [tuple(e for e in range(8) if int(owner_E[e]) == r) for r in range(4)]
+    extra = [(1, 2), (), (), ()]
+    placement = Placement(8, tuple(owned[r] + extra[r] for r in range(4)), owner_E)
+    full_gu = torch.arange(8 * 2 * F * D, dtype=torch.float32).view(8, 2 * F, D)
+    full_down = -torch.arange(8 * D * F, dtype=torch.float32).view(8, D, F)
+    replicas = Replicas(D, F, torch.float32)
+    mine = list(owned[rank])
+    if wait:
+        replicas.refresh(full_gu[mine], full_down[mine], placement, rank, group)
+    else:
+        replicas.start_refresh(full_gu[mine], full_down[mine], placement, rank, group)
+        replicas.ready()
+    assert replicas.experts == extra[rank]
+    assert torch.equal(replicas.gate_up_proj, full_gu[list(extra[rank])])
+    assert torch.equal(replicas.down_proj, full_down[list(extra[rank])])
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_refresh_puts_rows_from_several_owners_in_slot_order(pool, wait):
+    pool.run(4, out_of_order_refresh_case, wait)

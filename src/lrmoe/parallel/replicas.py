@@ -34,11 +34,10 @@ def flat_rows(gate_up: torch.Tensor, down: torch.Tensor, idx: list[int] | None =
 
 @dataclass
 class _Pending:
-    """A refresh under way: the exchange (None: no replica anywhere), each received row's slot,
-    and the experts the replicas will then be."""
+    """A refresh under way: the exchange (None: no replica anywhere), whose rows arrive in
+    replica slot order, and the experts the replicas will then be."""
 
     exchange: comm.PendingExchange | None
-    slot: torch.Tensor | None  # each received row's replica slot (None: they arrive in slot order)
     experts: tuple[int, ...]
 
 
@@ -75,13 +74,13 @@ class Replicas(nn.Module):
         the caller goes on (after an optimizer step: the next step's attention), and
         :meth:`ready` installs them — every use of the replicas' weights calls it first. The
         replicas then are views of the received rows, nothing copied, so installing them inside
-        a layer call allocates nothing; where rows arrive out of slot order (several owners,
-        world > 2) they are installed here instead, waited for, as a plain refresh.
+        a layer call allocates nothing; where rows arrive out of slot order (owners not in
+        expert order, world > 2) they are put in order here instead, waited for, as a plain refresh.
         Returns the bytes this rank sent."""
         self.ready()
         mine = placement.replicas(rank)
         if placement.num_copies == placement.num_experts:
-            self._pending = _Pending(None, None, mine)
+            self._pending = _Pending(None, mine)
             return 0
         W = placement.world
         owned = placement.owned(rank)
@@ -90,12 +89,12 @@ class Replicas(nn.Module):
         by_source = [[e for e in mine if int(placement.owner_E[e]) == s] for s in range(W)]
         wire = WireCounter()
         exchange = comm.all_to_all_start(send, [len(s) for s in sends], [len(s) for s in by_source], group, wire)
+        self._pending = _Pending(exchange, mine)
         slot = [mine.index(e) for s in range(W) for e in by_source[s]]  # each received row's replica slot
-        in_order = slot == list(range(len(mine)))
-        self._pending = _Pending(exchange, None if in_order else torch.tensor(slot, dtype=torch.long,
-                                                                              device=gate_up.device), mine)
-        if not in_order:
+        if slot != sorted(slot):  # owners not in expert order: the rows put in slot order now
             self.ready()
+            order = torch.tensor(sorted(range(len(slot)), key=slot.__getitem__), device=self.gate_up_proj.device)
+            self.gate_up_proj, self.down_proj = self.gate_up_proj[order], self.down_proj[order]
         return wire.sent
 
     def ready(self) -> None:
@@ -106,13 +105,8 @@ class Replicas(nn.Module):
         # the old copies let go first (an empty slice would keep their storage)
         self.gate_up_proj = self.gate_up_proj.new_empty((0, *self.gate_up_proj.shape[1:]))
         self.down_proj = self.down_proj.new_empty((0, *self.down_proj.shape[1:]))
-        if pending.exchange is not None:  # (None: no replica anywhere)
-            recv_gu, recv_down = self._unflat(pending.exchange.wait())
-            if pending.slot is None:  # in slot order: the received rows are the replicas
-                self.gate_up_proj, self.down_proj = recv_gu, recv_down
-            else:
-                self.gate_up_proj = recv_gu.new_empty(recv_gu.shape).index_copy_(0, pending.slot, recv_gu)
-                self.down_proj = recv_down.new_empty(recv_down.shape).index_copy_(0, pending.slot, recv_down)
+        if pending.exchange is not None:  # (None: no replica anywhere) the received rows are the replicas
+            self.gate_up_proj, self.down_proj = self._unflat(pending.exchange.wait())
         self.experts = pending.experts
 
     def load_from_full(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, placement: Placement,
