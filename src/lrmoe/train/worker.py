@@ -1,6 +1,6 @@
 """One rank of ``lrmoe train``, started by torch.distributed.run (see :mod:`lrmoe.train.launch`):
-process-group setup, resume after a restart, user errors reported to the launcher, and the
-fault-injection testing hook."""
+process-group setup, freed host memory kept for reuse on the CPU, resume after a restart, user
+errors reported to the launcher, and the fault-injection testing hook."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from lrmoe.train.checkpoint import CheckpointError
 from lrmoe.train.config import ConfigError, load
 from lrmoe.train.data import DataError
 from lrmoe.train.groups import train_device
+from lrmoe.train.host_memory import keep_freed_memory
 from lrmoe.train.launch import USER_ERROR_EXIT, write_error
 from lrmoe.train.loop import PeerRankError, train
 
@@ -58,6 +59,8 @@ def main_worker(config_path: str, out: str, resume: bool, max_steps: int | None,
 def _join_and_train(config_path: str, out: str, resume: bool, max_steps: int | None, stop_at: float | None,
                     eval_at: tuple[int, ...]) -> None:
     cfg = load(config_path)
+    if train_device(cfg).type == "cpu":  # every system alike: a step's tensors reuse freed pages
+        keep_freed_memory()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
