@@ -11,6 +11,8 @@ import pytest
 
 from lrmoe.train.host_memory import MALLOC_ENV
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+
 # One process per case: malloc's settings are the process's. A "step" allocates ~100 MB of
 # 8 MB tensors and a 36 MB one, touches them and frees them; the page faults of ten steps
 # after a first one are counted.
@@ -40,7 +42,6 @@ def faults_per_step(mode: str, env: dict[str, str] | None = None) -> tuple[str, 
     return kept, int(faults)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_kept_memory_spares_the_page_faults_of_every_step() -> None:
     kept, with_it = faults_per_step("keep")
     _, without = faults_per_step("plain")
@@ -49,7 +50,6 @@ def test_kept_memory_spares_the_page_faults_of_every_step() -> None:
     assert with_it < without // 4
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_a_users_malloc_setting_stands() -> None:
     for env in ({"MALLOC_TRIM_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}):
         kept, _ = faults_per_step("keep", env)

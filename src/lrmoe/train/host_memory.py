@@ -8,8 +8,8 @@ elementwise work on those tensors. PyTorch's CUDA caching allocator keeps device
 reuse; this is the host's counterpart. The training worker sets it for every system alike.
 
 Measured on ``configs/paper.toml`` under 0.65× static's peak (110 steps; medians of steps
-51–110, single runs): page faults 2.3–2.7 M → 0.38 M a run; the MoE step of lrmoe 220–226 →
-216–224 ms, capped static's 309.9 → 298.4, llep's 312.8 → 306.2 (docs/training.md).
+51–110): page faults 2.3–2.7 M → 0.38 M a run; the MoE step 0–4 % cheaper for lrmoe, capped
+static and llep alike, within single runs' noise (docs/training.md).
 """
 
 from __future__ import annotations
