@@ -2,7 +2,9 @@
 
 Timings on shared machines drift: rows run interleaved (one iteration of each per round, after
 a warm-up round) and report medians, so a slow phase hits every row alike. Use ratios between
-rows of one run, never absolute numbers across runs.
+rows of one run, never absolute numbers across runs. Processes on the host keep freed memory
+for reuse (:func:`lrmoe.train.host_memory.keep_freed_memory`), as ``lrmoe train`` does, so the
+absolute times are those of training's setting, without a page fault per fresh tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from lrmoe.train.host_memory import keep_freed_memory
 
 
 def time_rows(
@@ -27,6 +31,8 @@ def time_rows(
 
     ``after_backward(name, module)`` may return extra per-iteration figures (medians too).
     """
+    if x.device.type == "cpu":  # freed blocks reused, as in training (lrmoe.train.host_memory)
+        keep_freed_memory()
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in modules}
     for i in range(repeats + 1):  # round 0 warms up
         for name, module in modules.items():
@@ -80,6 +86,7 @@ def _rank_worker(rank: int, world: int, port: int, fn, args, queue) -> None:
 
     import torch.distributed as dist
 
+    keep_freed_memory()  # the ranks run on the host: freed blocks reused, as in training
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     code = 0
     try:
