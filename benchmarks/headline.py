@@ -14,8 +14,12 @@ among those that reached it at every seed (the uncapped reference only where its
 cap); ``--lrmoe`` names the lrmoe row compared (default ``lrmoe``), ``--dropping`` the
 forward-dropping one (``capacity``).
 
-Writes ``headline.json`` and ``headline.png`` (MoE time to target per cap, lrmoe against the best
-exact system and capacity, seeds as points); prints the table.
+Wall time beside MoE time: each run's ``wall_time_to_target_s`` (the training steps' wall time to
+the target, evaluations and checkpoints excluded; missing from runs made before compare wrote it),
+and the best exact system by wall time beside the best by MoE time.
+
+Writes ``headline.json`` and ``headline.png`` (MoE time and wall time to target per cap, lrmoe
+against the best exact system and capacity-factor dropping, seeds as points); prints the table.
 """
 
 from __future__ import annotations
@@ -60,17 +64,19 @@ def summary(seeds: dict[int, dict[str, dict]], name: str) -> dict:
     reached = {s: r for s, r in rows.items() if r["status"] == "reached"}
     steps = [r["steps_to_target"] for r in reached.values()]
     times = [r["moe_time_to_target_s"] for r in reached.values()]
+    walls = [r.get("wall_time_to_target_s") for r in reached.values()]
 
     def spread(v: list[float]) -> dict:
-        return {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} if v else None
+        return {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} if v and None not in v else None
 
     return {"seeds_run": sorted(rows), "seeds_reached": sorted(reached),
             "statuses": {s: r["status"] for s, r in rows.items()},
-            "steps": spread(steps), "moe_time_s": spread(times),
+            "steps": spread(steps), "moe_time_s": spread(times), "wall_time_s": spread(walls),
             "per_step_ms": spread([1e3 * t / n for t, n in zip(times, steps)]),
             "mean_kept_ratio": statistics.fmean(r["mean_kept_ratio"] for r in rows.values()) if rows else None,
             "per_seed": {s: {"steps": r["steps_to_target"], "moe_time_s": r["moe_time_to_target_s"],
-                             "kept": r["mean_kept_ratio"], "status": r["status"]} for s, r in rows.items()}}
+                             "wall_time_s": r.get("wall_time_to_target_s"), "kept": r["mean_kept_ratio"],
+                             "status": r["status"]} for s, r in rows.items()}}
 
 
 def compare_cap(seeds: dict[int, dict[str, dict]], lrmoe: str, dropping: str) -> dict:
@@ -85,44 +91,97 @@ def compare_cap(seeds: dict[int, dict[str, dict]], lrmoe: str, dropping: str) ->
 
     exact = [n for n in names if is_exact(n) and within_cap(n) and set(systems[n]["seeds_reached"]) == every]
     best = min(exact, key=lambda n: systems[n]["moe_time_s"]["mean"], default=None)
-    out = {"systems": systems, "best_exact": best, "exact_candidates": exact}
-    for label, other in (("vs_best_exact", best), ("vs_dropping", dropping)):
+    walled = [n for n in exact if systems[n]["wall_time_s"]]
+    best_wall = min(walled, key=lambda n: systems[n]["wall_time_s"]["mean"], default=None)
+    out = {"systems": systems, "best_exact": best, "best_exact_wall": best_wall, "exact_candidates": exact}
+    for label, other in (("vs_best_exact", best), ("vs_best_exact_wall", best_wall), ("vs_dropping", dropping)):
         a, b = systems.get(lrmoe), systems.get(other) if other else None
         if a and b and a["steps"] and b["steps"]:
-            time = a["moe_time_s"]["mean"] / b["moe_time_s"]["mean"]
-            steps = a["steps"]["mean"] / b["steps"]["mean"]
-            common = sorted(set(a["seeds_reached"]) & set(b["seeds_reached"]))
-            out[label] = {"system": other, "time_ratio": time, "steps_ratio": steps, "per_step_ratio": time / steps,
-                          "per_seed_time_ratio": {s: a["per_seed"][s]["moe_time_s"] / b["per_seed"][s]["moe_time_s"]
-                                                  for s in common}}
+            out[label] = ratios(a, b, other)
     return out
+
+
+def ratios(a: dict, b: dict, other: str) -> dict:
+    """System ``a``'s MoE time to target over ``b``'s (= steps × per step), per seed too, and the
+    wall time's ratio where both runs have it."""
+    time = a["moe_time_s"]["mean"] / b["moe_time_s"]["mean"]
+    steps = a["steps"]["mean"] / b["steps"]["mean"]
+    common = sorted(set(a["seeds_reached"]) & set(b["seeds_reached"]))
+    wall = a["wall_time_s"]["mean"] / b["wall_time_s"]["mean"] if a["wall_time_s"] and b["wall_time_s"] else None
+    return {"system": other, "time_ratio": time, "steps_ratio": steps, "per_step_ratio": time / steps,
+            "wall_ratio": wall,
+            "per_seed_time_ratio": {s: a["per_seed"][s]["moe_time_s"] / b["per_seed"][s]["moe_time_s"]
+                                    for s in common}}
+
+
+def _mean_range(v: dict | None, spec: str) -> str:
+    return "–" if not v else f"{v['mean']:{spec}} [{v['min']:{spec}}–{v['max']:{spec}}]"
 
 
 def table(doc: dict) -> str:
     lines = ["| cap | system | seeds reached | steps to target (mean [min–max]) | MoE time to target s | "
-             "per step ms | kept |", "|---|---|---|---|---|---|---|"]
+             "per step ms | wall time to target s | kept |", "|---|---|---|---|---|---|---|---|"]
     for cap, c in doc["caps"].items():
         for name, r in c["systems"].items():
-            tag = " (best exact)" if name == c["best_exact"] else ""
-            if r["steps"]:
-                st, t = r["steps"], r["moe_time_s"]
-                steps = f"{st['mean']:.1f} [{st['min']}–{st['max']}]"
-                time = f"{t['mean']:.2f} [{t['min']:.2f}–{t['max']:.2f}]"
-                per = f"{r['per_step_ms']['mean']:.1f}"
-            else:
-                steps, time, per = "–", "–", "–"
-            lines.append(f"| {cap} | {name}{tag} | {len(r['seeds_reached'])}/{len(r['seeds_run'])} | {steps} | {time} "
-                         f"| {per} | {r['mean_kept_ratio']:.3f} |")
-    lines += ["", "| cap | lrmoe vs | MoE time to target | = steps × per step | per seed |", "|---|---|---|---|---|"]
+            tags = [t for t, best in (("best exact", c["best_exact"]), ("best exact by wall", c["best_exact_wall"]))
+                    if name == best]
+            tag = f" ({', '.join(tags)})" if tags else ""
+            per = f"{r['per_step_ms']['mean']:.1f}" if r["per_step_ms"] else "–"
+            lines.append(f"| {cap} | {name}{tag} | {len(r['seeds_reached'])}/{len(r['seeds_run'])} | "
+                         f"{_mean_range(r['steps'], '.1f')} | {_mean_range(r['moe_time_s'], '.2f')} | {per} | "
+                         f"{_mean_range(r['wall_time_s'], '.2f')} | {r['mean_kept_ratio']:.3f} |")
+    lines += ["", "| cap | lrmoe vs | MoE time to target | = steps × per step | wall time to target | per seed (MoE) |",
+              "|---|---|---|---|---|---|"]
     for cap, c in doc["caps"].items():
-        for label in ("vs_best_exact", "vs_dropping"):
+        for label in ("vs_best_exact", "vs_best_exact_wall", "vs_dropping"):
             v = c.get(label)
-            if v:
+            if v and not (label == "vs_best_exact_wall" and v["system"] == c["best_exact"]):
                 seeds = ", ".join(f"{t:.3f}" for t in v["per_seed_time_ratio"].values())
                 change = f"{abs(100 * (1 - v['time_ratio'])):.1f} % {'less' if v['time_ratio'] < 1 else 'more'}"
+                wall = "–" if v["wall_ratio"] is None else f"{v['wall_ratio']:.3f}×"
                 lines.append(f"| {cap} | {v['system']} | {v['time_ratio']:.3f}× ({change}) "
-                             f"| {v['steps_ratio']:.3f} × {v['per_step_ratio']:.3f} | {seeds} |")
+                             f"| {v['steps_ratio']:.3f} × {v['per_step_ratio']:.3f} | {wall} | {seeds} |")
     return "\n".join(lines)
+
+
+ROLES = (("best exact", "tab:blue"), ("lrmoe", "tab:red"), ("capacity", "tab:gray"))
+
+
+def _panel(ax, doc: dict, lrmoe: str, key: str, ylabel: str) -> None:
+    """One bar per role and cap of ``key`` (``moe_time_s`` or ``wall_time_s``), seeds as dots; the
+    best exact system is the one by that measure; lrmoe's ratio to it inside lrmoe's bar."""
+    caps = list(doc["caps"])
+    width = 0.27
+    best_key, vs_key = ("best_exact", "vs_best_exact") if key == "moe_time_s" else ("best_exact_wall",
+                                                                                  "vs_best_exact_wall")
+    for j, (role, color) in enumerate(ROLES):
+        for i, cap in enumerate(caps):
+            c = doc["caps"][cap]
+            name = {"best exact": c[best_key], "lrmoe": lrmoe, "capacity": doc["dropping"]}[role]
+            r = c["systems"].get(name) if name else None
+            if not r or not r[key]:
+                continue
+            x = i + (j - 1) * width
+            ax.bar(x, r[key]["mean"], width, color=color, alpha=0.6,
+                   label=role if role not in ax.get_legend_handles_labels()[1] else None)
+            seeds = [v[key] for v in r["per_seed"].values() if v[key] is not None]
+            ax.plot([x] * len(seeds), seeds, "k.", ms=4)
+            # The name above the highest seed, clear of the dots; the ratio inside the bar, below them.
+            ax.text(x, max(seeds, default=r[key]["mean"]) * 1.01, name.replace("-uncapped", "\nuncapped"),
+                    ha="center", va="bottom", fontsize=7)
+            v = c.get(vs_key)
+            if role == "lrmoe" and v:
+                ratio = v["time_ratio"] if key == "moe_time_s" else v["wall_ratio"]
+                lines = [f"{ratio:.3f}×"] if ratio is not None else []
+                if key == "moe_time_s":  # × the best exact system's = steps × per step
+                    lines += [f"= {v['steps_ratio']:.3f}", "steps", f"× {v['per_step_ratio']:.3f}", "per step"]
+                ax.text(x, r[key]["mean"] * 0.45, "\n".join(lines), ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(caps)), caps)
+    ax.set_xlabel("per-rank memory cap")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.15)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
 
 
 def plot(doc: dict, path: Path, lrmoe: str) -> None:
@@ -131,38 +190,15 @@ def plot(doc: dict, path: Path, lrmoe: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    caps = list(doc["caps"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    width = 0.27
-    for j, (role, color) in enumerate((("best exact", "tab:blue"), ("lrmoe", "tab:red"), ("capacity", "tab:gray"))):
-        for i, cap in enumerate(caps):
-            c = doc["caps"][cap]
-            name = {"best exact": c["best_exact"], "lrmoe": lrmoe, "capacity": doc["dropping"]}[role]
-            r = c["systems"].get(name) if name else None
-            if not r or not r["moe_time_s"]:
-                continue
-            x = i + (j - 1) * width
-            ax.bar(x, r["moe_time_s"]["mean"], width, color=color, alpha=0.6,
-                   label=role if i == 0 or role not in ax.get_legend_handles_labels()[1] else None)
-            seeds = [v["moe_time_s"] for v in r["per_seed"].values() if v["moe_time_s"] is not None]
-            ax.plot([x] * len(seeds), seeds, "k.", ms=4)
-            # The name above the highest seed, clear of the dots; the ratio inside the bar, below them.
-            ax.text(x, max(seeds, default=r["moe_time_s"]["mean"]) * 1.01, name.replace("-uncapped", "\nuncapped"),
-                    ha="center", va="bottom", fontsize=7)
-            if role == "lrmoe" and c.get("vs_best_exact"):  # × the best exact system's = steps × per step
-                v = c["vs_best_exact"]
-                ratios = (f"{v['time_ratio']:.3f}×", f"= {v['steps_ratio']:.3f}", "steps",
-                          f"× {v['per_step_ratio']:.3f}", "per step")
-                ax.text(x, r["moe_time_s"]["mean"] * 0.45, "\n".join(ratios), ha="center", va="center", fontsize=7)
-    ax.set_xticks(range(len(caps)), caps)
-    ax.set_xlabel("per-rank memory cap")
-    ax.set_ylabel("MoE time to target (s)")
-    ax.set_ylim(top=ax.get_ylim()[1] * 1.15)
-    ax.set_title("MoE time to the target loss (configs/paper.toml, 2 ranks; bars: mean, dots: seeds)", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    walls = any(r["wall_time_s"] for c in doc["caps"].values() for r in c["systems"].values())
+    fig, axes = plt.subplots(1, 2 if walls else 1, figsize=(12 if walls else 7, 4.5), squeeze=False)
+    _panel(axes[0][0], doc, lrmoe, "moe_time_s", "MoE time to target (s)")
+    if walls:
+        _panel(axes[0][1], doc, lrmoe, "wall_time_s", "wall time to target (s): the training steps")
+    fig.suptitle("Time to the target loss (configs/paper.toml, 2 CPU ranks; bars: mean, dots: seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:

@@ -64,3 +64,27 @@ def test_a_later_folder_wins_and_the_script_writes_its_outputs(headline, tmp_pat
     assert doc["caps"]["0.65x"]["vs_best_exact"]["time_ratio"] == pytest.approx(52.5 / 75.0)
     assert (out / "headline.png").stat().st_size > 0
     assert "0.700× (30.0 % less)" in capsys.readouterr().out
+
+
+def test_wall_time_beside_moe_time(headline, tmp_path, monkeypatch, capsys):
+    """The best exact system by wall time may differ from the best by MoE time (llep's spill moves
+    weights outside the MoE timer's share, say); lrmoe's wall ratio is read against each."""
+    def timed(steps, moe_s, wall_s):
+        return {**entry(steps, moe_s), "wall_time_to_target_s": wall_s}
+
+    for seed in (0, 1):
+        write_seed(tmp_path / "a", seed, {"static": timed(160, 80.0, 100.0), "llep": timed(160, 75.0, 110.0),
+                                          "capacity": timed(155, 60.0, 90.0), "lrmoe": timed(165, 60.0, 95.0)})
+    cap = headline.compare_cap(headline.per_seed([tmp_path / "a"]), "lrmoe", "capacity")
+    assert (cap["best_exact"], cap["best_exact_wall"]) == ("llep", "static")
+    assert cap["vs_best_exact"]["wall_ratio"] == pytest.approx(95 / 110)
+    assert cap["vs_best_exact_wall"]["wall_ratio"] == pytest.approx(0.95)
+    assert cap["vs_dropping"]["wall_ratio"] == pytest.approx(95 / 90)
+    write_seed(tmp_path / "b", 0, {"static": entry(160, 80.0), "lrmoe": entry(165, 60.0)})  # no wall times
+    assert headline.compare_cap(headline.per_seed([tmp_path / "b"]), "lrmoe", "capacity")["best_exact_wall"] is None
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["headline.py", "--cap", f"0.65x={tmp_path / 'a'}", "--out", str(out)])
+    headline.main()
+    text = capsys.readouterr().out
+    assert "| 0.65x | static (best exact by wall) |" in text and "| 0.950× |" in text
+    assert (out / "headline.png").stat().st_size > 0

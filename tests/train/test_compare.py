@@ -87,6 +87,7 @@ def test_dense_evaluation_where_the_target_was_crossed(tmp_path, monkeypatch):
     assert symi["moe_time_to_target_s"] == pytest.approx(2.5)
     assert symi["steps_to_target_interp"] == pytest.approx(24.0)  # 4.80 at 20, 4.75 at 25: 4.76 at 24
     assert symi["moe_time_to_target_interp_s"] == pytest.approx(2.4)
+    assert symi["wall_time_to_target_s"] == pytest.approx(7.5) and symi["wall_ms_per_step"] == pytest.approx(300.0)
     detail = doc["details"]["symi"]
     assert detail["target_bracket"] == [20, 25]
     assert detail["dense_eval"] == {"every": 5, "interval": [20, 30], "from_step": 20, "rerun_steps": 5,
@@ -95,7 +96,7 @@ def test_dense_evaluation_where_the_target_was_crossed(tmp_path, monkeypatch):
     assert doc["systems"]["static"]["steps_to_target_resolution"] == 4
     assert json.loads((tmp_path / "results.json").read_text()) == doc
     text = (tmp_path / "report.md").read_text()
-    assert "| symi | 25 | (20, 25] | 2.50 | 24.0 / 2.40 |" in text
+    assert "| symi | 25 | (20, 25] | 2.50 | 7.50 | 24.0 / 2.40 |" in text
 
 
 def test_without_dense_evaluation_the_resolution_is_eval_every(tmp_path, monkeypatch):

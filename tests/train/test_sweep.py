@@ -104,8 +104,9 @@ def entry(status="reached", steps=None, time_s=None, **kw) -> dict:
 
 
 def test_seed_entry_mean_and_spread():
-    every = sweep.seed_entry([entry(steps=480, time_s=24.0), entry(steps=490, time_s=25.0, a2a_bytes=4000),
-                              entry(steps=500, time_s=29.0, steps_to_target_resolution=4)])
+    every = sweep.seed_entry([entry(steps=480, time_s=24.0, wall_time_to_target_s=60.0),
+                              entry(steps=490, time_s=25.0, a2a_bytes=4000, wall_time_to_target_s=70.0),
+                              entry(steps=500, time_s=29.0, steps_to_target_resolution=4, wall_time_to_target_s=80.0)])
     assert every["status"] == "reached" and every["seeds_run"] == every["seeds_reached"] == 3
     assert every["steps_to_target"] == every["steps_to_target_mean"] == 490
     assert every["steps_to_target_std"] == pytest.approx(10.0), "sample std (n - 1): 10, not 8.16"
@@ -114,6 +115,8 @@ def test_seed_entry_mean_and_spread():
     assert every["moe_time_to_target_s_std"] == pytest.approx(2.6457513)
     assert every["steps_to_target_interp_mean"] == pytest.approx(487.5)
     assert every["a2a_bytes"] == 2000 and every["steps_to_target_resolution"] == 5, "coarsest of the seeds"
+    assert every["wall_time_to_target_s"] == every["wall_time_to_target_s_mean"] == pytest.approx(70.0)
+    assert every["wall_time_to_target_s_std"] == pytest.approx(10.0)
 
     some = sweep.seed_entry([entry(steps=480, time_s=24.0), entry("never"), entry(steps=500, time_s=26.0)])
     assert some["status"] == "never" and some["seeds_reached"] == 2 and some["seeds_run"] == 3

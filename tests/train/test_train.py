@@ -31,8 +31,13 @@ def test_every_system_learns(pool2, tmp_path, system):
     assert np.mean(ls[-3:]) < np.mean(ls[:3]) - 0.2, ls
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("moe_fwd_ms", "moe_bwd_ms", "a2a_bytes", "kept_ratio", "load_cv", "peak_expert_side_bytes",
-                "val_loss", "moe_time_s"):
+                "val_loss", "moe_time_s", "step_ms", "train_wall_s"):
         assert key in rec, key
+    rows = records(tmp_path)
+    walls = np.cumsum([r["step_ms"] for r in rows]) / 1e3
+    assert np.allclose([r["train_wall_s"] for r in rows], walls), "train_wall_s adds up the steps' wall times"
+    assert rec["moe_time_s"] < rec["train_wall_s"] <= rec["wall_s"], "the MoE layers are part of a step; the " \
+        "step part of the run (its evaluations are not)"
     stages = rec["moe_stage_ms"]
     assert list(stages) == list(STAGES) and stages["fwd_compute"] > 0 and stages["bwd_compute"] > 0
     assert sum(v for k, v in stages.items() if k.startswith("fwd_")) <= rec["moe_fwd_ms"]  # a mean, a max

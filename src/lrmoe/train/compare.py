@@ -13,7 +13,10 @@ Written to the output folder:
   ``peak_expert_side_bytes`` (max over steps and ranks), ``memory_cap_bytes``,
   ``mean_kept_ratio``, ``replica_slots`` and ``mean_load_cv`` (expert-load coefficient of
   variation; means over steps), ``steps_to_target_resolution``, ``steps_to_target_interp`` and
-  ``moe_time_to_target_interp_s`` (below); ``details`` adds ``target_bracket`` and ``dense_eval``;
+  ``moe_time_to_target_interp_s`` (below), ``wall_time_to_target_s`` (the training steps' wall time
+  up to the target's step: ``metrics.jsonl``'s ``train_wall_s``, evaluations and checkpoints
+  excluded; null where not reached) and ``wall_ms_per_step`` (over the run); ``details`` adds
+  ``target_bracket`` and ``dense_eval``;
 - ``report.md``: the table; ``val_loss_vs_moe_time.png``, ``kept_ratio.png``,
   ``expert_load.png``: the plots (:mod:`lrmoe.train.plots`); one folder per system with its own run.
 
@@ -53,7 +56,7 @@ from lrmoe.train.toml_dump import dump_toml
 RESULT_KEYS = ("status", "steps_to_target", "moe_time_to_target_s", "final_val_loss", "steps_run", "bwd_a2a_bytes",
                "peak_expert_side_bytes", "a2a_bytes", "placement_bytes", "mean_kept_ratio", "replica_slots",
                "memory_cap_bytes", "oom_step", "moe_ms_per_step", "mean_load_cv", "steps_to_target_resolution",
-               "steps_to_target_interp", "moe_time_to_target_interp_s")
+               "steps_to_target_interp", "moe_time_to_target_interp_s", "wall_time_to_target_s", "wall_ms_per_step")
 
 
 def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunConfig:
@@ -134,6 +137,7 @@ def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int
         "memory_cap_bytes": memory_cap,
         "steps_to_target": hit["step"] if hit else None,
         "moe_time_to_target_s": hit["moe_time_s"] if hit else None,
+        "wall_time_to_target_s": hit.get("train_wall_s") if hit else None,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "bwd_a2a_bytes": int(sum(r.get("bwd_a2a_bytes", 0) for r in rows)),
         "a2a_bytes": int(sum(r.get("a2a_bytes", 0) for r in rows)),
@@ -143,6 +147,8 @@ def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int
         "placement_bytes": int(sum(r.get("placement_bytes", 0) for r in rows)),
         "mean_kept_ratio": float(np.mean([r["kept_ratio"] for r in rows])) if rows else None,
         "moe_ms_per_step": 1e3 * rows[-1]["moe_time_s"] / rows[-1]["step"] if rows else None,
+        "wall_ms_per_step": 1e3 * rows[-1]["train_wall_s"] / rows[-1]["step"] if rows and "train_wall_s" in rows[-1]
+        else None,
         "mean_load_cv": float(np.mean([r["load_cv"] for r in rows if "load_cv" in r])) if rows else None,
     }
 

@@ -41,8 +41,7 @@ from lrmoe.train.resume import PeerRankError, TrainStream, fresh_history, save, 
 from lrmoe.train.resume import start as resume_from
 from lrmoe.train.state import TrainState
 
-# Groups, reduce_gradients (lrmoe.train.groups), PeerRankError and TrainStream (lrmoe.train.resume)
-# stay importable from here, where they lived before the splits
+# names that lived here before the splits (lrmoe.train.groups, lrmoe.train.resume) stay importable
 __all__ = ["Groups", "PeerRankError", "TrainStream", "evaluate", "reduce_gradients", "train"]
 
 
@@ -179,9 +178,11 @@ def _record(run: _Run, step: int, ce: torch.Tensor, tokens: int, t0: float, lr: 
                                              groups.world_group, dist.ReduceOp.MAX))
     history["moe_time_s"] += (m["moe_fwd_ms"] + m["moe_bwd_ms"] + m["moe_placement_ms"]) / 1e3
     history["routing"].append(m.pop("_counts").numpy().tolist())
+    step_s = max(time.time() - t0, 1e-9)  # the training step alone: no evaluation, no checkpoint
+    history["train_wall_s"] += step_s
     return {"step": step + 1, "loss": float(ce_mean), **m, "moe_time_s": history["moe_time_s"],
-            "tokens_per_s": groups.world * tokens / max(time.time() - t0, 1e-9), "lr": lr,
-            "grad_norm": norm, "skipped": skipped}
+            "step_ms": 1e3 * step_s, "train_wall_s": history["train_wall_s"],
+            "tokens_per_s": groups.world * tokens / step_s, "lr": lr, "grad_norm": norm, "skipped": skipped}
 
 
 def _validate(run: _Run, record: dict) -> None:
@@ -211,11 +212,10 @@ def _finish(run: _Run, summary: dict) -> dict:
     if run.board is not None:
         run.board.close()
     history = run.history
+    summary.update(steps=len(history["routing"]), val=history["val"], moe_time_s=history["moe_time_s"],
+                   wall_s=history["wall_s"], train_wall_s=history["train_wall_s"], unigram_loss=run.data.unigram_loss())
     if run.lead:
         np.savez_compressed(run.out / "routing.npz", counts=np.asarray(history["routing"], dtype=np.float32))
-    summary.update(steps=len(history["routing"]), val=history["val"], moe_time_s=history["moe_time_s"],
-                   wall_s=history["wall_s"], unigram_loss=run.data.unigram_loss())
-    if run.lead:
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

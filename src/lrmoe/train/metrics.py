@@ -22,13 +22,15 @@
 | ``lr`` | learning rate of this step (warmup, then cosine decay) |
 | ``grad_norm`` | L2 norm of the whole model's reduced gradient before the optimizer step (every expert once) |
 | ``wall_s`` | wall-clock seconds of training since step 1, across resumes (model building excluded) |
+| ``step_ms`` | the training step's wall time at rank 0 (batch to ``step_end``; no evaluation, no checkpoint) |
+| ``train_wall_s`` | cumulative ``step_ms`` in seconds since step 1, across resumes (compare's wall time) |
 | ``skipped`` | the step was skipped for a non-finite loss or gradient |
 | ``replica_slots`` | expert copies held per rank, mean over layers and ranks |
 | ``keep_modes`` | per MoE layer: what its expert side kept to the backward (``x+acts``, ``x``, ``nothing``) |
 | ``fwd_chunk_rows``, ``bwd_chunk_rows`` | under a cap: fewest rows computed at once, min over layers and ranks |
 
 ``summary.json`` (rank 0, at the end): ``steps`` run, ``val`` (one ``{"step", "loss",
-"moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``unigram_loss`` (the corpus's
+"moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``train_wall_s``, ``unigram_loss`` (the corpus's
 context-free loss), ``stopped_at_target``, ``status`` (``done``: ran its steps, ``reached``: stopped
 at the target, ``oom``: a layer call did not fit the memory cap — then ``oom_step``, the
 message ``oom`` and ``oom_during``, the phase: ``setup``, ``training step``, ``evaluation`` or

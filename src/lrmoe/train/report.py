@@ -21,17 +21,25 @@ def breakdown(systems: dict[str, dict], baseline: str = REPLICATED_BASELINE) -> 
     base = systems.get(baseline)
     if base is None or base.get("status") != "reached":
         return []
-    lines = [f"MoE time to target against {baseline}, split into steps × MoE time per step:", "",
-             "| system | MoE time to target | = steps to target | × MoE time per step |", "|---|---|---|---|"]
+    lines = [f"MoE time to target against {baseline}, split into steps × MoE time per step; wall time to "
+             "target (the training steps') beside it:", "",
+             "| system | MoE time to target | = steps to target | × MoE time per step | wall time to target |",
+             "|---|---|---|---|---|"]
     per_step = base["moe_time_to_target_s"] / base["steps_to_target"]
     for name, r in systems.items():
         if name == baseline or r.get("status") != "reached":
             continue
         steps = r["steps_to_target"] / base["steps_to_target"]
         time = r["moe_time_to_target_s"] / base["moe_time_to_target_s"]
+        wall = _ratio(r.get("wall_time_to_target_s"), base.get("wall_time_to_target_s"))
         lines.append(f"| {name} | {time:.3f}× | {steps:.3f}× | "
-                     f"{r['moe_time_to_target_s'] / r['steps_to_target'] / per_step:.3f}× |")
+                     f"{r['moe_time_to_target_s'] / r['steps_to_target'] / per_step:.3f}× | {wall} |")
     return [*lines, ""]
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` as ``0.912×``; ``-`` where either is missing (a run written before wall times)."""
+    return "-" if value is None or not base else f"{value / base:.3f}×"
 
 
 def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -> str:
@@ -44,11 +52,13 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
         "Steps to target: the first evaluation at or below the target; *crossed in*: the interval between "
         "it and the evaluation before it (the resolution of the measurement); *interpolated*: where the "
         "straight line between those two evaluations meets the target, an estimate.", "",
-        "| system | steps to target | crossed in | MoE time to target (s) | interpolated: steps / MoE s | "
-        "final val loss | steps run | a2a bytes / step | "
+        "*MoE time*: the routed layers' forward, backward and placement; *wall time*: the whole training "
+        "steps' (evaluations and checkpoints excluded).", "",
+        "| system | steps to target | crossed in | MoE time to target (s) | wall time to target (s) | "
+        "interpolated: steps / MoE s | final val loss | steps run | a2a bytes / step | "
         "bwd a2a bytes / step | peak expert-side bytes | memory cap | replica slots | mean kept ratio | "
-        "placement bytes | MoE ms / step | load CV |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "placement bytes | MoE ms / step | wall ms / step | load CV |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(v, spec):
@@ -64,12 +74,14 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
         interp = r.get("steps_to_target_interp")
         estimate = "-" if interp is None else f"{interp:.1f} / {r['moe_time_to_target_interp_s']:.2f}"
         lines.append(
-            f"| {name} | {to_target} | {crossed} | {fmt(r['moe_time_to_target_s'], '.2f')} | {estimate} | "
+            f"| {name} | {to_target} | {crossed} | {fmt(r['moe_time_to_target_s'], '.2f')} | "
+            f"{fmt(r.get('wall_time_to_target_s'), '.2f')} | {estimate} | "
             f"{fmt(r['final_val_loss'], '.4f')} | {r['steps_run']} | {r['a2a_bytes'] // steps:,} | "
             f"{r['bwd_a2a_bytes'] // steps:,} | {r['peak_expert_side_bytes']:,} | "
             f"{'none' if cap is None else format(cap, ',')} | {fmt(r.get('replica_slots'), '.2f')} | "
             f"{fmt(r['mean_kept_ratio'], '.3f')} | {r['placement_bytes']:,} | "
-            f"{fmt(r.get('moe_ms_per_step'), '.1f')} | {fmt(r.get('mean_load_cv'), '.2f')} |")
+            f"{fmt(r.get('moe_ms_per_step'), '.1f')} | {fmt(r.get('wall_ms_per_step'), '.1f')} | "
+            f"{fmt(r.get('mean_load_cv'), '.2f')} |")
     lines += ["", *breakdown(systems), "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
@@ -94,9 +106,9 @@ def seeds_report(out: Path, doc: dict) -> str:
         f"Target validation loss per seed (its own reference's): {targets}. Each seed's comparison: "
         f"`seed-<s>/report.md`.", "",
         "Over the seeds that reached the target: mean [min–max]; std: sample standard deviation (n − 1).", "",
-        "| system | reached | steps to target | std | MoE time to target (s) | std | interpolated steps (estimate) | "
-        "coarsest crossing interval | final val loss (mean) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | reached | steps to target | std | MoE time to target (s) | std | wall time to target (s) | std | "
+        "interpolated steps (estimate) | coarsest crossing interval | final val loss (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def std(v, spec):
@@ -110,7 +122,8 @@ def seeds_report(out: Path, doc: dict) -> str:
         lines.append(
             f"| {name} | {reached} | {_mean_range(r, 'steps_to_target', '.1f')} | "
             f"{std(r['steps_to_target_std'], '.1f')} | {_mean_range(r, 'moe_time_to_target_s', '.2f')} | "
-            f"{std(r['moe_time_to_target_s_std'], '.2f')} | {_mean_range(r, 'steps_to_target_interp', '.1f')} | "
+            f"{std(r['moe_time_to_target_s_std'], '.2f')} | {_mean_range(r, 'wall_time_to_target_s', '.2f')} | "
+            f"{std(r.get('wall_time_to_target_s_std'), '.2f')} | {_mean_range(r, 'steps_to_target_interp', '.1f')} | "
             f"{'-' if res is None else format(res, 'g')} | {std(r.get('final_val_loss'), '.4f')} |")
     text = "\n".join([*lines, ""])
     (out / "report.md").write_text(text)

@@ -76,7 +76,7 @@ def save(out: Path, step: int, state: TrainState, stream: TrainStream, history: 
 
 def fresh_history() -> dict:
     """The history of a run that starts at step 0."""
-    return {"moe_time_s": 0.0, "wall_s": 0.0, "val": [], "routing": []}
+    return {"moe_time_s": 0.0, "wall_s": 0.0, "train_wall_s": 0.0, "val": [], "routing": []}
 
 
 def start(cfg: RunConfig, out: Path, resume: bool, state: TrainState, stream: TrainStream,

@@ -21,8 +21,8 @@ results.json's keys, per system, with ``steps_to_target`` and ``moe_time_to_targ
 when every seed reached the target (else null, ``status`` then ``oom`` or ``never``), the other
 figures means over the seeds, plus ``seeds_run``, ``seeds_reached`` and, over the seeds that
 reached the target, ``<key>_mean``, ``_std`` (sample standard deviation, n − 1; null for one seed),
-``_min`` and ``_max`` of ``steps_to_target``, ``moe_time_to_target_s`` and
-``steps_to_target_interp``; ``per_seed`` holds every seed's own entries.
+``_min`` and ``_max`` of ``steps_to_target``, ``moe_time_to_target_s``, ``steps_to_target_interp``
+and ``wall_time_to_target_s``; ``per_seed`` holds every seed's own entries.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def run_sweep(cfg: RunConfig, systems: tuple[str, ...], caps: list[str], out: Pa
 
 
 def sweep_table(doc: dict) -> str:
-    """MoE time to target (s) per system and cap; ``oom@N`` / ``never`` where it did not reach it."""
+    """MoE time and wall time to target (s) per system and cap; ``oom@N`` / ``never`` where it did
+    not reach it."""
     caps = doc["caps"]
     lines = ["| system | " + " | ".join(f"{c['label']} ({c['memory_cap_bytes'] / 1e6:.1f} MB)" for c in caps) + " |",
              "|---|" + "---|" * len(caps)]
@@ -135,7 +136,9 @@ def sweep_table(doc: dict) -> str:
             if r is None:
                 cells.append("-")
             elif r["status"] == "reached":
-                cells.append(f"{r['moe_time_to_target_s']:.1f} s ({r['steps_to_target']} steps)")
+                wall = r.get("wall_time_to_target_s")
+                wall = "" if wall is None else f", wall {wall:.1f} s"
+                cells.append(f"{r['moe_time_to_target_s']:.1f} s ({r['steps_to_target']} steps{wall})")
             elif r["status"] == "oom":
                 cells.append(f"oom@{r.get('oom_step', '?')}")
             else:
@@ -188,7 +191,7 @@ def plot_sweep(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-SPREAD_KEYS = ("steps_to_target", "moe_time_to_target_s", "steps_to_target_interp")
+SPREAD_KEYS = ("steps_to_target", "moe_time_to_target_s", "steps_to_target_interp", "wall_time_to_target_s")
 # null in the seeds' entry unless every seed reached the target
 TO_TARGET = (*SPREAD_KEYS, "moe_time_to_target_interp_s", "steps_to_target_resolution")
 
