@@ -8,7 +8,7 @@ tripled symi's planning time and flipped the sign of a headline figure). Instead
 library's :class:`lrmoe.planning.planner.LayerPlanner` plans a call, :class:`PlannerCalls` counts how often
 it runs each planner that ``benchmarks/bench_planning.py`` measures, and the call's host time is
 those counts times the benchmark's recorded median per call (``planning_reference.json``, copied
-from docs/benchmarks.md) at the nearest recorded shape: the same on an idle and on a busy machine.
+from docs/results.md) at the nearest recorded shape: the same on an idle and on a busy machine.
 
 What this leaves out: Python work of the planner outside those eight functions (chunk rows,
 capacities, placement bookkeeping); the simulator still measures the live wall time of the whole
