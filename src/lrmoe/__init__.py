@@ -2,7 +2,8 @@
 
 The algorithm, the definitions every module uses and how each system is described are in
 docs/design.md. Package layout, data flowing one way (config → router → planner → dispatch → experts →
-combine, once each way per pass):
+combine, once each way per pass; inside the subpackages too: no module imports one that imports it,
+tests/test_imports.py):
 
     config.py     typed configs: MoEConfig, BackwardConfig, ClusterBudget
     systems.py    one SystemSpec per system name, and the name parser (the only module that
@@ -35,7 +36,6 @@ Shape suffixes on tensor names (``x_TD``, ``counts_SE``, ``rows_HS``):
     H (expert, holder) entries of an assignment (``PairAssignment.rows_HS``)
 """
 
-from lrmoe import _moved
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.layer import MoELayer
@@ -45,5 +45,3 @@ from lrmoe.systems import SYSTEMS, SystemSpec, parse_system_name, spec_of
 __all__ = ["BackwardConfig", "ClusterBudget", "MemoryBudgetExceeded", "MoEConfig", "MoELayer", "SYSTEMS", "SystemSpec",
            "assign_min_peak", "parse_system_name", "spec_of"]
 __version__ = "0.1.0"
-
-_moved.install()  # the flat layout's import paths (lrmoe.balance, lrmoe.comm, ...) keep working

@@ -18,9 +18,8 @@ from lrmoe import experts
 from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.replicas import PendingGrads
+from lrmoe.passes.backward_rows import BackwardRows, DyRows, Kept
 from lrmoe.passes.record import CallRecord
-from lrmoe.passes.row_paths import BackwardRows, DyRows
-from lrmoe.passes.selectors import Kept
 from lrmoe.systems import PlacementKind
 
 

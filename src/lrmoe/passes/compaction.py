@@ -22,27 +22,14 @@ recomputed activations are back to back). Rows move through a staging buffer of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel.comm import to_device
-
-if TYPE_CHECKING:  # the record holds what this module compacts
-    from lrmoe.passes.record import Saved
+from lrmoe.passes.saved import InPlace, Saved
 
 STAGING_ROWS = 256  # rows moved at once when compacting in place
-
-
-@dataclass(frozen=True)
-class InPlace:
-    """Kept rows compacted in place: slot l's in rows [starts_L[l], starts_L[l] + kept_L[l])."""
-
-    starts_L: torch.Tensor  # int64, host: each slot's first row (its forward offset)
-    order_R: torch.Tensor  # the dy row (slot-major kept order) of each compacted row, slot after slot
 
 
 def gather_kept_rows(saved: Saved, kept_rows: torch.Tensor, meter: MemoryMeter) -> torch.Tensor:
@@ -111,3 +98,6 @@ def compact_in_place(tensors: list[torch.Tensor], kept_rows: torch.Tensor, fwd_L
     src, dst, layout = plan_in_place(kept_rows.cpu().numpy(), fwd_L.numpy(), kept_L.numpy())
     move_rows(tensors, src, dst)
     return layout
+
+
+__all__ = ["STAGING_ROWS", "InPlace", "compact_in_place", "gather_kept_rows", "move_rows", "plan_in_place"]

@@ -4,16 +4,12 @@ for every row at once or, where the plan chunks this rank's backward, a chunk at
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from lrmoe import experts
 from lrmoe.parallel import comm
+from lrmoe.passes.backward_rows import BackwardRows
 from lrmoe.passes.record import CallRecord
-
-if TYPE_CHECKING:  # the row paths call this; only their rows' type is needed here
-    from lrmoe.passes.row_paths import BackwardRows
 
 
 def expert_rows_backward(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: BackwardRows,

@@ -2,22 +2,25 @@
 built by the forward and read by the backward. Everything the backward needs rides in the
 :class:`CallRecord` (the plan, the forward's row layout, what the expert side kept, which
 selection and row path the backward takes); the backward calls nothing in the planner or the
-layer."""
+layer. The record names its selection and row path by their interfaces (:class:`Selector`,
+:class:`RowPath`), defined here because their methods take the record; their kinds are
+:mod:`lrmoe.passes.selectors`' and :mod:`lrmoe.passes.row_paths`'."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from lrmoe import experts
 from lrmoe.config import BackwardConfig
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel.comm import Channel, Group, WireCounter
 from lrmoe.parallel.replicas import Replicas
 from lrmoe.parallel.rounds import Rounds
 from lrmoe.parallel.rows import RowLayout
-from lrmoe.passes.compaction import InPlace
+from lrmoe.passes.backward_rows import BackwardRows, DyRows, Kept
+from lrmoe.passes.saved import Saved
 from lrmoe.passes.stages import StageClock
 from lrmoe.passes.stats import CallStats
 from lrmoe.planning.call_plan import CallPlan
@@ -25,9 +28,6 @@ from lrmoe.planning.planner import LayerPlanner
 from lrmoe.selection.streams import SelectionStreams
 from lrmoe.systems import SystemSpec
 
-if TYPE_CHECKING:  # the paths are chosen from the plan; only their types are needed here
-    from lrmoe.passes.row_paths import RowPath
-    from lrmoe.passes.selectors import Selector
 
 class CallLog:
     """A layer's latest calls, as its ``last_stats`` and ``last_kept`` show them: the latest call
@@ -65,19 +65,6 @@ class LayerContext:
 
 
 @dataclass
-class Saved:
-    """What the expert side keeps from a call's forward to its backward."""
-
-    rows_RD: torch.Tensor | None = None  # the received x rows, slot-major
-    acts: dict[str, torch.Tensor] | None = None  # gate, up, silu(gate), h of those rows
-    slot_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # concatenated or assembled slot weights
-    in_place: InPlace | None = None  # the backward compacted its kept rows in place (lrmoe.passes.compaction)
-
-    def clear(self) -> None:
-        self.rows_RD = self.acts = self.slot_weights = self.in_place = None
-
-
-@dataclass
 class CallRecord:
     """One layer call, carried from its forward to its backward."""
 
@@ -99,3 +86,35 @@ class CallRecord:
     rounds: Rounds | None = None  # an exchange in rounds: the forward's, which the backward repeats
     clock: StageClock = field(default_factory=StageClock)  # where the call's time went, stage by stage
     overlap_grads: bool = False  # replica gradients finished at the backward pass's end (MoELayer's opt-in)
+
+
+class Selector:
+    """How a backward chooses its kept pairs (the kinds: :mod:`lrmoe.passes.selectors`)."""
+
+    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor | None,
+               channel: Channel) -> Kept:
+        raise NotImplementedError
+
+
+class RowPath:
+    """How a backward moves its rows (the kinds: :mod:`lrmoe.passes.row_paths`): where they go,
+    dy's factor, the exchange to the expert side, the expert backward and dx's way home."""
+
+    def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
+        raise NotImplementedError
+
+    def factor(self, factor_P: torch.Tensor, kept: Kept) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dispatch(self, call: CallRecord, dy: DyRows, x_TD: torch.Tensor, rows: BackwardRows,
+                 channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def compute(self, call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.Tensor, rows: BackwardRows,
+                gate_up: torch.Tensor, down: torch.Tensor, channel: Channel
+                ) -> tuple[torch.Tensor, experts.Slots, experts.Slots]:
+        raise NotImplementedError
+
+    def home(self, call: CallRecord, dx_RD: torch.Tensor, rows: BackwardRows, channel: Channel
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError

@@ -8,12 +8,11 @@ an exact backward that kept nothing); the same rows with the dropped pairs' dy z
 pairs over the copies and home re-sends their x (:class:`ResentRows`); one that kept x computes
 each kept pair where its x was kept, told which rows by the positions riding in dy's message
 (:class:`KeptInStrata`, local selections) or by a kept byte per forward row
-(:class:`KeptByMask`, global ones).
+(:class:`KeptByMask`, global ones). Their interface, :class:`~lrmoe.passes.record.RowPath`, is
+the record's, which names it; the rows and dy they pass on are :mod:`lrmoe.passes.backward_rows`'.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -21,47 +20,15 @@ from lrmoe import experts
 from lrmoe.memory.bytes import KEEP_NOTHING, in_place
 from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Channel
-from lrmoe.parallel.dispatch import (
-    Delivered,
-    Message,
-    kept_forward_rows,
-    position_dtype,
-    to_experts,
-    to_home,
-    to_kept_experts,
-)
+from lrmoe.parallel.dispatch import Delivered, kept_forward_rows, to_experts, to_home, to_kept_experts
 from lrmoe.parallel.rows import RowLayout, kept_layout, restrict_to_kept, row_layout
+from lrmoe.passes.backward_rows import BackwardRows, DyRows, Kept
 from lrmoe.passes.compaction import compact_in_place, gather_kept_rows
 from lrmoe.passes.expert_rows import expert_rows_backward
-from lrmoe.passes.record import CallRecord
+from lrmoe.passes.record import CallRecord, RowPath, Selector
 from lrmoe.passes.rounds import backward_in_rounds
-from lrmoe.passes.selectors import ForwardPairs, GlobalSelector, Kept, Selector, StrataSelector
+from lrmoe.passes.selectors import ForwardPairs, GlobalSelector, StrataSelector
 from lrmoe.systems import SystemSpec
-
-
-@dataclass(frozen=True)
-class DyRows:
-    """The upstream gradient of the pairs, packed on demand: dy = factor · g_t of any pairs, in
-    the order a row path sends them (every system packs its rows: not the selection's cost). A
-    path that knows its final order before the exchange packs straight into it."""
-
-    g_TD: torch.Tensor
-    factor_P: torch.Tensor  # the routing weight, times 1/π for sampled pairs (0: masked)
-    K: int
-
-    def of(self, pairs_N: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """dy of ``pairs_N``, scaled into ``out`` if given (else over the gathered g rows)."""
-        g_ND = torch.index_select(self.g_TD, 0, pairs_N // self.K)
-        return torch.mul(g_ND, self.factor_P[pairs_N].unsqueeze(1), out=g_ND if out is None else out)
-
-    def with_positions(self, pairs_N: torch.Tensor, pos_N: torch.Tensor) -> Message:
-        """dy of ``pairs_N`` and each one's position in one message, dy scaled straight into it."""
-        message = Message.empty(len(pairs_N), self.g_TD.shape[1], self.g_TD, position_dtype(self.g_TD))
-        if message is None:  # a row's bytes would misalign the position: packed, then copied beside it
-            return Message.of(self.of(pairs_N), pos_N.to(position_dtype(self.g_TD)))
-        self.of(pairs_N, out=message.rows)
-        message.extra.copy_(pos_N)
-        return message
 
 
 def _compact_saved(call: CallRecord, kept_rows: torch.Tensor | None, layout: RowLayout) -> torch.Tensor | None:
@@ -94,22 +61,6 @@ def _packed_in_order(dy: DyRows, layout: RowLayout, order_R: torch.Tensor | None
     return dy_RD
 
 
-@dataclass(frozen=True)
-class BackwardRows:
-    """Where the backward's rows go: its layout, and what says which saved rows are kept."""
-
-    layout: RowLayout
-    kept_pos_N: torch.Tensor | None = None  # kept rows' positions in their strata, riding with dy
-    kept_rows: torch.Tensor | None = None  # kept rows among the saved ones, slot-major (None: all)
-    chunk: int | None = None  # rows recomputed at once where the plan chunks this rank's backward:
-    # dy then stays in received order, each chunk's rows read through the layout's regroup index
-    # and its dx written back in their place, so no slot-major copy of dy or dx is ever held
-
-    @property
-    def dy_slot_major(self) -> bool:
-        return self.chunk is None or self.layout.regroup_idx is None
-
-
 def backward_chunk(call: CallRecord) -> int | None:
     """Rows this rank's backward recomputes at once where the plan chunks it (None: all at once)."""
     chunk_R = call.plan.bwd_chunk_rows_R
@@ -123,7 +74,7 @@ def _take_saved(call: CallRecord) -> torch.Tensor:
     return rows_RD
 
 
-class ForwardRows:
+class ForwardRows(RowPath):
     """The forward's layout; the expert side kept x (and, for a full backward, the activations)."""
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
@@ -234,9 +185,6 @@ class KeptByMask(ForwardRows):
         return Delivered(recv_RD, regroup).slot_major(channel, order_R), _take_saved(call)
 
 
-RowPath = ForwardRows  # every row path is one of its kinds
-
-
 def choose(spec: SystemSpec, keep: str | None, local: bool) -> tuple[Selector, RowPath]:
     """The backward of a training call: its selection and row path, from the spec, the plan's
     keep mode and whether the selection is local. The only place that tells the modes apart."""
@@ -248,3 +196,7 @@ def choose(spec: SystemSpec, keep: str | None, local: bool) -> tuple[Selector, R
     if keep == KEEP_NOTHING:
         return selector, ResentRows()
     return selector, KeptInStrata() if local else KeptByMask()
+
+
+__all__ = ["BackwardRows", "DyRows", "ForwardRows", "KeptByMask", "KeptInStrata", "MaskedRows", "ResentRows",
+           "RoundRows", "RowPath", "backward_chunk", "choose"]

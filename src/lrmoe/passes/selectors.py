@@ -1,43 +1,21 @@
 """How a call's backward chooses its kept pairs: every pair the forward computed
 (:class:`ForwardPairs`); a global selection over a score exchange (:class:`GlobalSelector`); a
 local one in the plan's strata, exchanging nothing (:class:`StrataSelector`). Which one a call
-takes is chosen with its row path (:func:`lrmoe.passes.row_paths.choose`)."""
+takes is chosen with its row path (:func:`lrmoe.passes.row_paths.choose`); the interface they
+share, :class:`~lrmoe.passes.record.Selector`, is the record's, which names it."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from lrmoe.parallel.comm import Channel
-from lrmoe.passes.record import CallRecord
+from lrmoe.passes.backward_rows import Kept
+from lrmoe.passes.record import CallRecord, Selector
 from lrmoe.selection.arrays import scatter_pairs
 from lrmoe.selection.global_selection import select
 from lrmoe.selection.scores import lrm_scores, pair_scores, squared_norms
-from lrmoe.selection.strata import Strata, select_in_strata, strata_on
-
-
-@dataclass(frozen=True)
-class Kept:
-    """The backward's kept set of this rank's pairs."""
-
-    keep_P: torch.Tensor | None  # bool over this rank's pairs (None: every pair)
-    kept_SE: torch.Tensor | None  # int64 (W, E) kept pairs per source and expert (None: the forward's)
-    quota_E: torch.Tensor  # pairs each expert was to keep
-    kept_E: torch.Tensor  # pairs each expert kept
-    scale_P: torch.Tensor | None = None  # 1/π of kept sampled pairs (None: every contribution × 1)
-    nonfinite: bool | torch.Tensor | None = None  # non-finite scores alone exceeded a quota (selective)
-    strata: Strata | None = None  # a local selection's strata
-    keep_N: torch.Tensor | None = None  # and its kept mask over the forward's send order
-
-
-class Selector:
-    """How a backward chooses its kept pairs."""
-
-    def select(self, call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, h_sq_P: torch.Tensor | None,
-               channel: Channel) -> Kept:
-        raise NotImplementedError
+from lrmoe.selection.strata import select_in_strata, strata_on
 
 
 class ForwardPairs(Selector):
@@ -91,3 +69,6 @@ class StrataSelector(Selector):
         scale_P = None if scale_N is None else scatter_pairs(scale_N, send_N, call.ids_TK.numel())
         kept_SE = strata.counts.kept_SE
         return Kept(keep_P, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite, strata, keep_N)
+
+
+__all__ = ["ForwardPairs", "GlobalSelector", "Kept", "Selector", "StrataSelector"]

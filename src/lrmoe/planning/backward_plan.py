@@ -13,8 +13,7 @@ gave, bit for bit (tests/planning/test_backward_plan.py); nothing here changes p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,29 +21,30 @@ from lrmoe.config import BackwardConfig
 from lrmoe.memory.bytes import KEEP_NOTHING
 from lrmoe.planning import controller as controller_module
 from lrmoe.planning.assignment import PairAssignment
+from lrmoe.planning.call_plan import BackwardPlan, CallPlan
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.planning.time_objective import fastest_quotas
-from lrmoe.selection.strata import StrataCounts, plan_strata
-
-if TYPE_CHECKING:  # the planner drives this module
-    from lrmoe.planning.call_plan import CallPlan
-    from lrmoe.planning.planner import LayerPlanner
+from lrmoe.selection.strata import plan_strata
+from lrmoe.systems import SystemSpec
 
 
-@dataclass(frozen=True)
-class BackwardPlan:
-    """What a training call's backward needs and its forward does not (None: not this call's)."""
+class BackwardPlanner(Protocol):
+    """What backward planning reads of its :class:`~lrmoe.planning.planner.LayerPlanner`, which
+    drives this module (a protocol, so that this module needs nothing of the planner's)."""
 
-    kept_capacity_R: list[int] | None = None  # backward rows each rank may keep (None: unbounded)
-    quota_E: torch.Tensor | None = None  # selective backward: pairs each expert keeps
-    keep: str | None = None  # what the expert side keeps (KEEP_MODES; None: its system's)
-    strata: StrataCounts | None = None  # a local selection: this rank's kept counts per stratum
-    kept_assignment: PairAssignment | None = None  # a local selection re-spread (keep nothing): where kept pairs go
+    spec: SystemSpec
+    controller: controller_module.Controller | None
+    backward: BackwardConfig
+    steps: int
+    rank: int
+
+    def _keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
+                   quota_E: torch.Tensor) -> str: ...
 
 
-def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
+def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
     """The backward's plan of a training call from its forward ``plan`` (pure): the controller's
     kept capacities and quotas (trimmed further where the time objective predicts it pays), the
     keep mode, and for a local selection this rank's strata and, where a compacting backward
@@ -77,7 +77,7 @@ def plan_backward(planner: LayerPlanner, plan: CallPlan) -> BackwardPlan:
     return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment)
 
 
-def quotas(planner: LayerPlanner, cfg: BackwardConfig, counts_E: torch.Tensor, placement: Placement,
+def quotas(planner: BackwardPlanner, cfg: BackwardConfig, counts_E: torch.Tensor, placement: Placement,
            cap_R: list[int] | None, rows: PairAssignment | None = None) -> torch.Tensor:
     """The controller's max–min fair quotas capped by ``cfg``'s ratio (and its demand-side
     balance), or the ratio's alone (``rows``: the forward's assignment, which spares the solve
@@ -107,4 +107,4 @@ def demand_balanced(counts_E: torch.Tensor, placement: Placement, cfg: BackwardC
     return torch.maximum(balanced_E, fixed_ratio_quota(counts_E, cfg.min_ratio))
 
 
-__all__ = ["BackwardPlan", "demand_balanced", "plan_backward", "quotas"]
+__all__ = ["BackwardPlan", "BackwardPlanner", "demand_balanced", "plan_backward", "quotas"]

@@ -21,8 +21,20 @@ from lrmoe.planning.placement import Placement
 from lrmoe.systems import Assignment, SystemSpec
 
 if TYPE_CHECKING:
-    from lrmoe.planning.backward_plan import BackwardPlan
     from lrmoe.selection.strata import StrataCounts
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What a training call's backward needs and its forward does not (None: not this call's).
+    Computed by :func:`lrmoe.planning.backward_plan.plan_backward`; defined here, beside the plan
+    it is merged into (:meth:`CallPlan.with_backward`), so the plan needs nothing of its planning."""
+
+    kept_capacity_R: list[int] | None = None  # backward rows each rank may keep (None: unbounded)
+    quota_E: torch.Tensor | None = None  # selective backward: pairs each expert keeps
+    keep: str | None = None  # what the expert side keeps (KEEP_MODES; None: its system's)
+    strata: StrataCounts | None = None  # a local selection: this rank's kept counts per stratum
+    kept_assignment: PairAssignment | None = None  # a local selection re-spread (keep nothing): where kept pairs go
 
 
 @dataclass(frozen=True)

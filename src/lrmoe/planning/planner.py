@@ -27,8 +27,8 @@ from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.memory.bytes import ByteModel, in_rounds
 from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.assignment import PairAssignment
-from lrmoe.planning.backward_plan import BackwardPlan, plan_backward
-from lrmoe.planning.call_plan import CallPlan
+from lrmoe.planning.backward_plan import plan_backward
+from lrmoe.planning.call_plan import BackwardPlan, CallPlan
 from lrmoe.planning.cap_fit import CapFitter, first_that_fits
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.cost import CostModel

@@ -17,19 +17,18 @@ host planning is a fixed reference, never this machine's clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from lrmoe.config import BackwardConfig
 from lrmoe.sim import search
-from lrmoe.sim.budget import GIB, step_peak_bytes
-from lrmoe.sim.config import DTYPE_BYTES, WARM_PHASE, SimConfig, check_caps, routing_counts
+from lrmoe.sim.budget import GIB
+from lrmoe.sim.config import WARM_PHASE, SimConfig, check_caps, routing_counts
 from lrmoe.sim.host import PlanningReference
-from lrmoe.sim.layer_calls import LayerCall, SystemPlanner
+from lrmoe.sim.layer_calls import LayerCall
 from lrmoe.sim.report import plot_sensitivity, write_results
+from lrmoe.sim.runner import Run, Runner
 from lrmoe.sim.search import BUDGET_TOLERANCE, BUDGET_TRIES, PREFIX_STEPS
 from lrmoe.sim.summary import Phase, result_row, summarise, time_to_target
 from lrmoe.sim.target import StepsToTarget
@@ -43,37 +42,9 @@ from lrmoe.systems import (
 )
 
 
-@dataclass
-class Run:
-    """One system's planners (one per representative layer) and the calls simulated so far."""
-
-    planners: list[SystemPlanner]
-    calls: list[list[LayerCall]] = field(default_factory=list)
-
-    def advance(self, counts: np.ndarray, steps: int, bar: tqdm) -> Run:
-        """Simulate up to ``steps`` steps in all (continuing where the run stands)."""
-        for t in range(len(self.calls), min(steps, counts.shape[0])):
-            self.calls.append([p.call(counts[t, li], DTYPE_BYTES) for li, p in enumerate(self.planners)])
-            bar.update(1)
-        return self
-
-
-class Projection:
+class Projection(Runner):
     """The runs of one model's projection (shared by every cap where they do not depend on it);
     the slot and budget searches run on it (:mod:`lrmoe.sim.search`)."""
-
-    def __init__(self, cfg: SimConfig, counts: np.ndarray, layers: list[int], reference: PlanningReference,
-                 bar: tqdm) -> None:
-        self.cfg, self.counts, self.layers, self.reference, self.bar = cfg, counts, layers, reference, bar
-        self.config = cfg.spec.moe_config()
-
-    def run(self, system: str, steps: int | None = None, **kw) -> Run:
-        planners = [SystemPlanner(system, self.config, self.cfg.gpus, reference=self.reference, **kw)
-                    for _ in self.layers]
-        return Run(planners).advance(self.counts, steps or self.counts.shape[0], self.bar)
-
-    def step_bytes(self, calls: list[list[LayerCall]]) -> int:
-        return step_peak_bytes(self.cfg.spec, calls, DTYPE_BYTES, self.cfg.optimizer_bytes_per_param)
 
     def symi_candidates(self) -> list[dict]:
         """The replicated baseline at each slot count (:func:`lrmoe.sim.search.symi_candidates`)."""
@@ -229,7 +200,7 @@ def project(cfgs: list[SimConfig], out: Path, progress: bool = True, plots: bool
     return results
 
 
-# summarise, time_to_target (lrmoe.sim.summary) and the budget search's constants (lrmoe.sim.search)
-# stay importable from here, where they lived before the split
+# summarise, time_to_target (lrmoe.sim.summary), the budget search's constants (lrmoe.sim.search)
+# and Run (lrmoe.sim.runner) stay importable from here, where they lived before the split
 __all__ = ["BUDGET_TOLERANCE", "BUDGET_TRIES", "PREFIX_STEPS", "Projection", "Run", "SimConfig", "lrmoe_name",
            "project", "simulate", "summarise", "time_to_target"]

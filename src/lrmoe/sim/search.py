@@ -2,37 +2,33 @@
 replicated baseline's slot count (every count from its owned experts upward, its fastest that
 fits reported) and the trimming system's per-layer budget (the largest whose whole step fits).
 
-Functions of a :class:`lrmoe.sim.run.Projection`, which runs a system (:meth:`run`) and measures
-a step's memory (:meth:`step_bytes`) for them.
+Functions of a :class:`lrmoe.sim.runner.Runner` (the projection, :class:`lrmoe.sim.run.Projection`,
+is one), which runs a system (:meth:`run`) and measures a step's memory (:meth:`step_bytes`) for them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from lrmoe.config import BackwardConfig
 from lrmoe.planning.replica_search import replica_candidates
 from lrmoe.sim.budget import GIB, lrmoe_budget
 from lrmoe.sim.config import DTYPE_BYTES, LRMOE_SLOTS_FIXED
 from lrmoe.sim.errors import SimError
 from lrmoe.sim.layer_calls import LayerCall, SystemPlanner
+from lrmoe.sim.runner import Run, Runner
 from lrmoe.sim.summary import summarise
 from lrmoe.systems import REPLICATED_BASELINE, TRIMMING_SYSTEM
-
-if TYPE_CHECKING:  # the searches run systems through it; only its type is needed here
-    from lrmoe.config import BackwardConfig
-    from lrmoe.sim.run import Projection, Run
 
 PREFIX_STEPS = 4  # steps of a trial run in lrmoe's budget search (replicas exist from the second)
 BUDGET_TRIES = 5  # trial runs per cap in that search
 BUDGET_TOLERANCE = 0.02  # stop once the step is within this share of the cap
 
 
-def default_slots(proj: Projection) -> int:
+def default_slots(proj: Runner) -> int:
     """The replicated baseline's default slot count a rank (the layer's own default)."""
     return SystemPlanner(REPLICATED_BASELINE, proj.config, proj.cfg.gpus, reference=proj.reference).planner.slots_R[0]
 
 
-def symi_candidates(proj: Projection) -> list[dict]:
+def symi_candidates(proj: Runner) -> list[dict]:
     """symi at every slot count from its owned experts upward (0, 1, 2, 3, 4, 6, 8, ... extra
     slots a rank, up to max(8, 4 × its default's extra)), each with its step time and step
     memory; the search stops once two counts in a row were slower than the fastest so far
@@ -69,7 +65,7 @@ def best_symi(candidates: list[dict], cap: int) -> tuple[dict, str]:
                   f"tried {tried})")
 
 
-def lrmoe_at_cap(proj: Projection, cap: int, ratio: float, backward: BackwardConfig | None = None
+def lrmoe_at_cap(proj: Runner, cap: int, ratio: float, backward: BackwardConfig | None = None
                  ) -> tuple[list[list[LayerCall]] | None, str, dict]:
     """lrmoe at the largest per-layer budget M whose whole step fits ``cap``
     (:func:`budgeted_at_cap`), its replicas its controller's cost search (or symi's default count
@@ -84,7 +80,7 @@ def lrmoe_at_cap(proj: Projection, cap: int, ratio: float, backward: BackwardCon
     return budgeted_at_cap(proj, TRIMMING_SYSTEM, cap, kw)
 
 
-def exact_at_cap(proj: Projection, system: str, cap: int, slots: int | None = None
+def exact_at_cap(proj: Runner, system: str, cap: int, slots: int | None = None
                  ) -> tuple[list[list[LayerCall]] | None, str, dict]:
     """An exact (or capacity-dropping) system whose uncapped step does not fit ``cap``, given the
     same per-layer budget search as lrmoe (:func:`budgeted_at_cap`): under its budget M the
@@ -94,7 +90,7 @@ def exact_at_cap(proj: Projection, system: str, cap: int, slots: int | None = No
     return budgeted_at_cap(proj, system, cap, {"slots": slots} if slots is not None else {})
 
 
-def budgeted_at_cap(proj: Projection, system: str, cap: int, kw: dict
+def budgeted_at_cap(proj: Runner, system: str, cap: int, kw: dict
                     ) -> tuple[list[list[LayerCall]] | None, str, dict]:
     """``system`` (planner keywords ``kw``) at the largest per-layer budget M whose whole step
     fits ``cap``: trial runs of the first :data:`PREFIX_STEPS` steps, from the conservative
@@ -148,7 +144,7 @@ def budgeted_at_cap(proj: Projection, system: str, cap: int, kw: dict
     return _whole_run(proj, system, fit_run, fit_M, cap, kw, search)
 
 
-def _whole_run(proj: Projection, system: str, fit_run: Run, fit_M: int, cap: int, kw: dict, search: dict
+def _whole_run(proj: Runner, system: str, fit_run: Run, fit_M: int, cap: int, kw: dict, search: dict
                ) -> tuple[list[list[LayerCall]] | None, str, dict]:
     """The best trial continued to every step; where a later step no longer fits, M lowered by
     the excess and the run repeated (three tries)."""

@@ -1,0 +1,31 @@
+"""What the expert side keeps from a call's forward to its backward (:class:`Saved`), and the
+layout its kept rows take once compacted in place (:class:`InPlace`, made by
+:mod:`lrmoe.passes.compaction`). Below both the record that carries them and the compaction that
+rewrites them, so neither imports the other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Kept rows compacted in place: slot l's in rows [starts_L[l], starts_L[l] + kept_L[l])."""
+
+    starts_L: torch.Tensor  # int64, host: each slot's first row (its forward offset)
+    order_R: torch.Tensor  # the dy row (slot-major kept order) of each compacted row, slot after slot
+
+
+@dataclass
+class Saved:
+    """What the expert side keeps from a call's forward to its backward."""
+
+    rows_RD: torch.Tensor | None = None  # the received x rows, slot-major
+    acts: dict[str, torch.Tensor] | None = None  # gate, up, silu(gate), h of those rows
+    slot_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # concatenated or assembled slot weights
+    in_place: InPlace | None = None  # the backward compacted its kept rows in place (lrmoe.passes.compaction)
+
+    def clear(self) -> None:
+        self.rows_RD = self.acts = self.slot_weights = self.in_place = None
