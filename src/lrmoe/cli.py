@@ -1,12 +1,14 @@
 """``lrmoe train | compare | simulate``: the command line.
 
     lrmoe train    --config FILE [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
-                   [--steps N] [--data PATH] [--hf-model DIR] [--out DIR] [--resume | --overwrite] [--max-restarts R]
-                   [RENDEZVOUS]
+                   [--steps N] [--data PATH] [--hf-model DIR] [--memory-per-rank SIZE] [--out DIR]
+                   [--resume | --overwrite] [--max-restarts R] [RENDEZVOUS]
     lrmoe compare  --config FILE [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
-                   [--steps N] [--data PATH] [--hf-model DIR] [--out DIR] [--resume | --overwrite] [--memory-caps A,B,C]
-                   [--seeds S,T,U] [RENDEZVOUS]
-    lrmoe simulate --model NAME --gpus N --gpu-memory GIB[,GIB...] --out DIR [options]
+                   [--steps N] [--data PATH] [--hf-model DIR] [--memory-per-rank SIZE | --memory-caps A,B,C]
+                   [--out DIR] [--resume | --overwrite] [--seeds S,T,U] [RENDEZVOUS]
+    lrmoe simulate --model NAME --gpus N --gpu-memory SIZE[,SIZE...] --out DIR [options]
+
+    SIZE: 40GiB, 66.8MiB, 70MB, 1_000_000 (bytes); --gpu-memory's bare numbers are GiB (lrmoe.sizes)
 
     RENDEZVOUS: --nnodes N --node-rank R (--rdzv-endpoint HOST:PORT [--rdzv-id ID] [--rdzv-backend B]
                 | --master-addr HOST [--master-port P]); none: one machine (torchrun --standalone)
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 
 from lrmoe.sim.cli import add_simulate_parser
+from lrmoe.sizes import SizeError, parse_bytes
 from lrmoe.systems import (
     REFERENCE_SYSTEM,
     REPLICATED_BASELINE,
@@ -34,7 +37,7 @@ from lrmoe.systems import (
     parse_system_name,
 )
 from lrmoe.train.checkpoint import CheckpointError
-from lrmoe.train.config import ConfigError, RunConfig, load, require_int
+from lrmoe.train.config import ConfigError, RunConfig, apply_sets, from_dict, read_config, require_int
 from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
 from lrmoe.train.launch import RankError, check_out, launch, preflight
 from lrmoe.train.rendezvous import Rendezvous, current_rendezvous, use_rendezvous
@@ -59,6 +62,10 @@ def _common(ap: argparse.ArgumentParser) -> None:
                     help="train a local transformers checkpoint folder (config, weights, tokenizer) instead of "
                          "[model]: its MoE blocks become the system's layers; its tokenizer reads --data; "
                          "save_pretrained output goes to out/hf and each checkpoint (overrides train.hf_model)")
+    ap.add_argument("--memory-per-rank", metavar="SIZE",
+                    help="the whole rank's memory (model, gradients, optimizer state, activations, MoE layers), "
+                         "e.g. 40GiB or 3MiB; each MoE layer's expert-side budget (budget.memory_bytes) is derived "
+                         "from it and the split printed before launch (overrides budget.memory_per_rank)")
     ap.add_argument("--overwrite", action="store_true", help="replace the earlier outputs in a used --out")
     rz = ap.add_argument_group("rendezvous (torchrun's; none of them: one machine, torchrun --standalone)")
     rz.add_argument("--nnodes", type=int, default=1,
@@ -80,15 +87,33 @@ def _rendezvous(args: argparse.Namespace) -> Rendezvous:
                       master_port=args.master_port)
 
 
-def _resolve(args: argparse.Namespace) -> RunConfig:
-    """The config file with ``--set``, ``--system`` and the flags applied, checked before any
-    rank starts (config, data, routing trace, the corpus's size against one global batch)."""
+def _load(args: argparse.Namespace) -> RunConfig:
+    """The config file with ``--set``, ``--hf-model`` and ``--memory-per-rank`` applied (the flag
+    replaces the file's ``budget.memory_bytes`` or ``memory_per_rank``, not a ``--set`` of either)."""
+    hf_model, per_rank = getattr(args, "hf_model", None), getattr(args, "memory_per_rank", None)
     sets = list(args.set)
     # --hf-model is train.hf_model (absolute: the ranks may start elsewhere), so a [model] the
     # checkpoint fixes is refused as in a config file
-    if getattr(args, "hf_model", None):
-        sets.append(f"train.hf_model={json.dumps(str(Path(args.hf_model).resolve()))}")
-    cfg = load(args.config, sets)
+    if hf_model:
+        sets.append(f"train.hf_model={json.dumps(str(Path(hf_model).resolve()))}")
+    raw = read_config(args.config)
+    if per_rank is not None:
+        if any(item.partition("=")[0].strip() == "budget.memory_bytes" for item in args.set):
+            raise ConfigError("--memory-per-rank and budget.memory_bytes exclude each other: --memory-per-rank is "
+                              "the whole rank's memory, from which lrmoe derives memory_bytes")
+        budget = raw.setdefault("budget", {})
+        budget.pop("memory_bytes", None)
+        budget["memory_per_rank"] = parse_bytes(per_rank, "--memory-per-rank")
+    return from_dict(apply_sets(raw, sets))
+
+
+def _resolve(args: argparse.Namespace) -> RunConfig:
+    """The config (:func:`_load`) with ``--system`` and the flags applied, checked before any
+    rank starts (config, data, routing trace, the corpus's size against one global batch), its
+    ``memory_per_rank`` turned into each MoE layer's budget (the split printed)."""
+    from lrmoe.train.memory_split import with_memory_per_rank
+
+    cfg = _load(args)
     if getattr(args, "system", None):
         from lrmoe.train.compare import system_config
 
@@ -115,7 +140,11 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
         read_routing_trace(cfg.train.routing_trace, cfg.model)  # likewise an unreadable or mismatched trace
     current_rendezvous().torchrun_args(cfg.train.nproc)  # --nnodes must divide the run's ranks
     preflight(cfg)  # and a corpus too small for one global batch
-    return cfg
+    if getattr(args, "memory_caps", None) is not None and cfg.memory_per_rank is not None:
+        raise ConfigError("--memory-caps and --memory-per-rank (budget.memory_per_rank) exclude each other: one "
+                          "sweeps each MoE layer's expert-side cap, the other derives it from the rank's memory")
+    where = "--memory-per-rank" if getattr(args, "memory_per_rank", None) is not None else "budget.memory_per_rank"
+    return with_memory_per_rank(cfg, where)  # a cap too small for the smallest plan stops here
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -136,8 +165,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
     from lrmoe.train.compare import run_compare
     from lrmoe.train.sweep import parse_caps, parse_seeds, run_seeds, run_sweep
 
-    cfg = _resolve(args)
     caps = parse_caps(args.memory_caps) if args.memory_caps is not None else None
+    cfg = _resolve(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else cfg.compare.seeds
     if caps is not None and seeds:
         raise ConfigError("--memory-caps with --seeds (or compare.seeds) is not supported: run one cap sweep per seed")
@@ -204,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     except RankError as e:  # reported by a rank
         print(f"lrmoe: {e}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, SizeError) as e:
         print(f"lrmoe: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

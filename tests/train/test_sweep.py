@@ -17,8 +17,9 @@ REFERENCE_PEAK = 1000  # the fake reference's peak expert-side bytes
 
 
 @pytest.mark.parametrize("text, want", [
-    ("70000000", ("bytes", 70e6)), ("70MB", ("bytes", 70e6)), ("66.8MiB", ("bytes", 66.8 * 2**20)),
-    ("1.5GiB", ("bytes", 1.5 * 2**30)), ("0.8x", ("fraction", 0.8)), (" 2KB ", ("bytes", 2000.0))])
+    ("70000000", ("bytes", 70_000_000)), ("70MB", ("bytes", 70_000_000)), ("70_000_000", ("bytes", 70_000_000)),
+    ("66.8MiB", ("bytes", int(66.8 * 2**20))), ("1.5GiB", ("bytes", 1.5 * 2**30)), ("0.8x", ("fraction", 0.8)),
+    (" 2KB ", ("bytes", 2000))])
 def test_parse_cap(text, want):
     assert sweep.parse_cap(text) == want
 

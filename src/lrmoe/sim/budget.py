@@ -31,7 +31,14 @@ from lrmoe.sim.memory import home_bytes
 from lrmoe.sim.models import ModelSpec
 from lrmoe.systems import TRIMMING_SYSTEM, spec_of
 
-__all__ = ["GIB", "dense_bytes", "lrmoe_budget", "per_layer_state", "step_peak_bytes"]
+__all__ = ["GIB", "dense_bytes", "lrmoe_budget", "moe_step_bytes", "param_state_bytes", "per_layer_state",
+           "step_peak_bytes"]
+_DTYPE_OF_BYTES = {2: "bfloat16", 4: "float32", 8: "float64"}
+
+
+def param_state_bytes(params: int, s: int, optimizer_bytes_per_param: float) -> int:
+    """Parameters held with their gradients (``s`` bytes each) and optimizer state."""
+    return int(params * (2 * s + optimizer_bytes_per_param))
 
 
 def dense_bytes(spec: ModelSpec, tokens: int, s: int, optimizer_bytes_per_param: float) -> int:
@@ -39,7 +46,7 @@ def dense_bytes(spec: ModelSpec, tokens: int, s: int, optimizer_bytes_per_param:
     activations autograd keeps (x's gate, up, h of the shared expert, router logits)."""
     params = spec.num_experts * spec.dim + 3 * spec.dim * spec.shared_ffn_dim
     acts = tokens * (3 * spec.shared_ffn_dim * s + spec.num_experts * 4)
-    return int(params * (2 * s + optimizer_bytes_per_param) + acts)
+    return param_state_bytes(params, s, optimizer_bytes_per_param) + int(acts)
 
 
 def per_layer_state(spec: ModelSpec, tokens: int, s: int, opt: float, selective: bool, owned: int) -> int:
@@ -73,33 +80,37 @@ def step_peak_bytes(spec: ModelSpec, calls: list[list[LayerCall]], s: int, opt: 
     return worst
 
 
-def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: int, opt: float,
-                 slots: int | None = None, system: str = TRIMMING_SYSTEM) -> int:
-    """Largest per-layer expert-side budget M (bytes per rank) whose whole step fits the cap,
-    every other layer holding the controller's most slots (``slots``: that many a rank); the
-    start of ``system``'s budget search."""
-    config = spec.moe_config()
+def moe_step_bytes(spec: ModelSpec, world: int, M: int, tokens: int, s: int, opt: float,
+                   slots: int | None = None) -> int | None:
+    """Bytes per rank of the MoE layers' step under a per-layer expert-side budget ``M``: every
+    layer's placement-free state (:func:`per_layer_state`), every other layer holding the
+    controller's most slots at ``M`` (``slots``: that many a rank), this layer ``M``; None where
+    ``M`` cannot hold a rank's owned experts (the controller refuses it). The layer's dtype is the
+    one of ``s`` bytes (bf16 at paper scale, fp32 for ``lrmoe train --memory-per-rank``), so the
+    controller's slots and the byte model here count the same bytes."""
     base = Placement.static(spec.num_experts, world)
     owned = max(len(base.owned(r)) for r in range(world))
-    state = per_layer_state(spec, tokens, s, opt, True, owned)
-    bytes_ = ByteModel(spec.dim, spec.ffn_dim, s)
+    try:
+        slots_R = Controller(spec.moe_config(_DTYPE_OF_BYTES[s]), ClusterBudget(memory_bytes=M, slots=slots),
+                             world).slots(base)
+    except ValueError:
+        return None
+    held = ByteModel(spec.dim, spec.ffn_dim, s).slots_held(max(slots_R), owned)
+    return (spec.moe_layers - 1) * held + spec.moe_layers * per_layer_state(spec, tokens, s, opt, True, owned) + M
 
-    def step(M: int) -> int | None:
-        try:
-            slots_R = Controller(config, ClusterBudget(memory_bytes=M, slots=slots), world).slots(base)
-        except ValueError:
-            return None
-        copies = max(slots_R)
-        return (spec.moe_layers - 1) * bytes_.slots_held(copies, owned) \
-            + spec.moe_layers * state + M
 
+def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: int, opt: float,
+                 slots: int | None = None, system: str = TRIMMING_SYSTEM) -> int:
+    """Largest per-layer expert-side budget M (bytes per rank) whose whole step fits the cap
+    (:func:`moe_step_bytes`, every other layer holding the controller's most slots); the start
+    of ``system``'s budget search."""
     lo, hi = 1, cap_bytes
     best = None
     for _ in range(60):
         if lo > hi:
             break
         mid = (lo + hi) // 2
-        need = step(mid)
+        need = moe_step_bytes(spec, world, mid, tokens, s, opt, slots)
         if need is not None and need <= cap_bytes:
             best, lo = mid, mid + 1
         elif need is None:
@@ -107,7 +118,9 @@ def lrmoe_budget(spec: ModelSpec, world: int, cap_bytes: int, tokens: int, s: in
         else:
             hi = mid - 1
     if best is None:
-        least = owned * bytes_.slot
+        owned = max(len(Placement.static(spec.num_experts, world).owned(r)) for r in range(world))
+        state = per_layer_state(spec, tokens, s, opt, True, owned)
+        least = owned * ByteModel(spec.dim, spec.ffn_dim, s).slot
         raise SimError(f"{system}: a {cap_bytes / GIB:.1f} GiB GPU cannot hold {spec.moe_layers} layers' "
                        f"owned experts and states ({(spec.moe_layers * (least + state)) / GIB:.1f} GiB needed)")
     return best

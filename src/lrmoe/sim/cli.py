@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lrmoe.config import OBJECTIVES, BackwardConfig
 from lrmoe.sim.errors import SimError
+from lrmoe.sizes import UNITS, SizeError, parse_bytes
 from lrmoe.systems import REPLICATED_BASELINE as BASE
 from lrmoe.systems import TRIMMING_SYSTEM as OURS
 
@@ -18,6 +19,16 @@ def _floats(flag: str, text: str) -> tuple[float, ...]:
         return tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise SimError(f"--{flag}={text!r} is invalid: expected comma-separated numbers") from None
+
+
+def _gib(flag: str, text: str) -> tuple[float, ...]:
+    """A comma list of sizes (:mod:`lrmoe.sizes`: ``40GiB``, ``80GB``) in GiB; a bare number is GiB,
+    as this flag has always read it."""
+    gib = UNITS["gib"]
+    try:
+        return tuple(parse_bytes(v, f"--{flag}", bare_unit=gib) / gib for v in text.split(",") if v.strip())
+    except SizeError as e:
+        raise SimError(str(e)) from None
 
 
 def _share_floors(text: str) -> tuple[tuple[float, float], ...]:
@@ -37,7 +48,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
     models = sorted(MODELS) if args.model == "all" else [args.model]
     try:
-        cfgs = [SimConfig(model=m, gpus=args.gpus, memory_caps_gib=_floats("gpu-memory", args.gpu_memory),
+        cfgs = [SimConfig(model=m, gpus=args.gpus, memory_caps_gib=_gib("gpu-memory", args.gpu_memory),
                           link_gbps=args.link_gbps, trace=args.trace, compare=args.compare, steps=args.steps,
                           layers=args.layers, tokens_per_gpu=args.tokens_per_gpu,
                           ratios=_floats("ratios", args.ratios), selection=args.selection,
@@ -66,7 +77,8 @@ def add_simulate_parser(sub) -> None:
     sm = sub.add_parser("simulate", help="paper-scale projection of time to target and memory (docs/simulation.md)")
     sm.add_argument("--model", required=True, help="qwen3-30b-a3b, glm45-air or all")
     sm.add_argument("--gpus", type=int, required=True, help="GPUs in the expert-parallel group (8 per node)")
-    sm.add_argument("--gpu-memory", required=True, help="memory cap per GPU in GiB; a comma list for several")
+    sm.add_argument("--gpu-memory", required=True, help="memory cap per GPU: a size such as 80GiB or 141GB, a bare "
+                    "number in GiB; a comma list for several")
     sm.add_argument("--link-gbps", type=float, default=400.0, help="inter-node Gbit/s per GPU (default 400)")
     sm.add_argument("--trace", help="routing.npz of an `lrmoe train` run (default: Zipf skew model)")
     sm.add_argument("--compare", help="results.json of an `lrmoe compare` run (default: the shipped one)")

@@ -2,7 +2,9 @@
 
 A config has four tables: ``[model]`` (a preset plus overrides, with a nested ``[model.moe]``),
 ``[train]`` (everything about the run), ``[backward]`` (the LRMoE selection, a
-:class:`BackwardConfig`) and an optional ``[budget]`` (a :class:`ClusterBudget`, for ``lrmoe``).
+:class:`BackwardConfig`) and an optional ``[budget]`` (a :class:`ClusterBudget`, for ``lrmoe``,
+plus ``memory_per_rank``: a whole rank's memory, from which the launcher derives
+``memory_bytes``, :mod:`lrmoe.train.memory_split`).
 ``[compare]`` configures ``lrmoe compare``. The resolved config is written next to the results
 (``config.toml``, :mod:`lrmoe.train.toml_dump`) so a run can be repeated exactly.
 """
@@ -15,31 +17,15 @@ from pathlib import Path
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.models import ModelConfig
+from lrmoe.sizes import SizeError, parse_bytes
 from lrmoe.systems import COMPARE_DEFAULT, DEFAULT_SYSTEM, REFERENCE_SYSTEM, SYSTEMS, SystemName, names_where, spec_of
 from lrmoe.systems import parse_system_name as _parse_system_name
+from lrmoe.train.config_checks import ConfigError, require_int, require_number
 from lrmoe.train.data import DEFAULT_CORPUS
 from lrmoe.validation import is_int_at_least
 
 # what [model] still sets when train.hf_model names a transformers checkpoint: the window length
 HF_MODEL_KEYS = {"seq_len"}
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem: field, value, what is allowed."""
-
-
-def require_int(where: str, v: object, least: int) -> int:
-    """``v`` itself when it is an integer >= ``least`` (a bool is not); else a ConfigError that
-    names ``where`` (a field or a flag), the value and the bound."""
-    if not is_int_at_least(v, least):
-        raise ConfigError(f"{where}={v!r} is invalid: expected an integer >= {least}")
-    return v
-
-
-def _require_number(where: str, v: object, least: float, strict: bool) -> None:
-    """A ConfigError unless ``v`` is a number (not a bool) > ``least`` (``strict``) or >= it."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > least if strict else v >= least):
-        raise ConfigError(f"{where}={v!r} is invalid: expected a number {'>' if strict else '>='} {least}")
 
 
 @dataclass(frozen=True)
@@ -78,9 +64,9 @@ class TrainConfig:
         for name in ("warmup", "checkpoint_every", "ep_size", "seed"):
             require_int(f"train.{name}", getattr(self, name), 0)
         for name in ("lr", "capacity_factor"):
-            _require_number(f"train.{name}", getattr(self, name), 0, strict=True)
+            require_number(f"train.{name}", getattr(self, name), 0, strict=True)
         for name in ("weight_decay", "bias_update_rate"):
-            _require_number(f"train.{name}", getattr(self, name), 0, strict=False)
+            require_number(f"train.{name}", getattr(self, name), 0, strict=False)
         if not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"train.val_fraction={self.val_fraction!r} is invalid: expected 0 < x < 0.5")
         if self.vocab_size < 260:
@@ -155,8 +141,17 @@ class RunConfig:
     backward: BackwardConfig = field(default_factory=BackwardConfig)
     budget: ClusterBudget | None = None
     compare: CompareConfig = field(default_factory=CompareConfig)
+    # [budget] memory_per_rank: a rank's whole memory (bytes); the launcher turns it into
+    # budget.memory_bytes (lrmoe.train.memory_split), so a resolved config has only the latter
+    memory_per_rank: int | None = None
 
     def __post_init__(self) -> None:
+        if self.memory_per_rank is not None:
+            require_int("budget.memory_per_rank", self.memory_per_rank, 1)
+            if self.budget is not None and self.budget.memory_bytes is not None:
+                raise ConfigError("[budget] memory_per_rank and memory_bytes exclude each other: memory_per_rank "
+                                  "is the whole rank's memory, from which lrmoe derives memory_bytes (each MoE "
+                                  "layer's expert side)")
         if spec_of(self.train.system).needs_topology and (self.budget is None or self.budget.ranks_per_node is None):
             raise ConfigError(f"train.system={self.train.system!r} needs the topology: [budget] ranks_per_node = ...")
         if self.backward.layer_floors and not self.train.hf_model:  # a checkpoint's count is known once loaded
@@ -179,6 +174,8 @@ class RunConfig:
                "compare": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.compare).items()}}
         if self.budget is not None:
             out["budget"] = asdict(self.budget)
+        if self.memory_per_rank is not None:
+            out.setdefault("budget", {})["memory_per_rank"] = self.memory_per_rank
         return out
 
 
@@ -209,14 +206,21 @@ def from_dict(raw: dict) -> RunConfig:
         model = ModelConfig.from_dict(raw.get("model", {}))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"[model] {e}") from None
-    budget = _table(raw, "budget", ClusterBudget) if "budget" in raw else None
+    per_rank = raw.get("budget", {}).get("memory_per_rank")
+    if per_rank is not None:  # not ClusterBudget's: a layer's budget knows nothing of the whole rank
+        raw = {**raw, "budget": {k: v for k, v in raw["budget"].items() if k != "memory_per_rank"}}
+        try:
+            per_rank = parse_bytes(per_rank, "budget.memory_per_rank")
+        except SizeError as e:
+            raise ConfigError(str(e)) from None
+    budget = _table(raw, "budget", ClusterBudget) if raw.get("budget") else None
     hf_model = raw.get("train", {}).get("hf_model")
     shaped = sorted(set(raw.get("model", {})) - HF_MODEL_KEYS)
     if hf_model and shaped:
         raise ConfigError(f"[model] {shaped} cannot be set with train.hf_model={hf_model!r}: the checkpoint's "
                           f"config.json fixes the model; [model] takes only {sorted(HF_MODEL_KEYS)} there")
     return RunConfig(model, _table(raw, "train", TrainConfig), _table(raw, "backward", BackwardConfig), budget,
-                     _table(raw, "compare", CompareConfig))
+                     _table(raw, "compare", CompareConfig), per_rank)
 
 
 def _keys_of(path: list[str]) -> set[str] | None:
@@ -225,6 +229,8 @@ def _keys_of(path: list[str]) -> set[str] | None:
               ("compare",): CompareConfig, ("model", "moe"): MoEConfig}
     if tuple(path) == ("model",):
         return {f.name for f in fields(ModelConfig)} | {"preset"}
+    if tuple(path) == ("budget",):
+        return {f.name for f in fields(ClusterBudget)} | {"memory_per_rank"}
     cls = tables.get(tuple(path))
     return None if cls is None else {f.name for f in fields(cls)}
 
@@ -260,14 +266,18 @@ def apply_sets(raw: dict, sets: list[str] | tuple[str, ...]) -> dict:
     return raw
 
 
-def load(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """A validated config from a TOML file with ``--set`` overrides (:func:`apply_sets`)
-    applied; a missing or malformed file is a ConfigError too."""
+def read_config(path: str | Path) -> dict:
+    """A TOML file's tables; a missing or malformed file is a ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-    return from_dict(apply_sets(raw, sets))
+
+
+def load(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A validated config from a TOML file with ``--set`` overrides (:func:`apply_sets`)
+    applied; a missing or malformed file is a ConfigError too."""
+    return from_dict(apply_sets(read_config(path), sets))

@@ -6,9 +6,9 @@ then gets its own comparison in ``out/cap-<label>/`` (the reference linked in, s
 shares one target), and the sweep is drawn: MoE time to the target against the cap, per system,
 with the caps where a system ran out of memory or never reached the target marked.
 
-A cap is bytes (``70000000``, ``70MB``, ``66.8MiB``, ``1.5GiB``) or a fraction of the
-reference's own peak expert-side bytes (``0.8x``): the fraction names the regime ("20 % below
-what static needs") independently of the model's shape.
+A cap is bytes (``70000000``, ``70_000_000``, ``70MB``, ``66.8MiB``, ``1.5GiB``: the size grammar
+of :mod:`lrmoe.sizes`) or a fraction of the reference's own peak expert-side bytes (``0.8x``):
+the fraction names the regime ("20 % below what static needs") independently of the model's shape.
 
 Written to ``out``: ``sweep.json`` (``{"target_loss", "reference_peak_bytes", "reference":
 {"name", results.json's entry}, "caps": [{"label", "memory_cap_bytes", "folder"}], "systems":
@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 from lrmoe.config import ClusterBudget
+from lrmoe.sizes import SizeError, parse_size
 from lrmoe.train.compare import RESULT_KEYS, finished, reference_eval_at, run_compare, system_config
 from lrmoe.train.config import ConfigError, RunConfig, require_int
 from lrmoe.train.launch import launch
@@ -42,26 +42,15 @@ from lrmoe.train.metrics import read_metrics
 from lrmoe.train.report import seeds_report
 from lrmoe.train.toml_dump import dump_toml
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-_CAP = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
 
 def parse_cap(text: str) -> tuple[str, float]:
-    """One ``--memory-caps`` entry: ``("bytes", n)`` or ``("fraction", f)`` of the reference's peak."""
-    m = _CAP.match(text)
-    unit = m.group(2).lower() if m else ""
-    if not m or (unit not in _UNITS and unit != "x"):
-        raise ConfigError(f"--memory-caps entry {text!r} is invalid: expected bytes (70000000, 70MB, 66.8MiB, "
-                          "1.5GiB) or a fraction of the uncapped reference's peak (0.8x)")
-    value = float(m.group(1))
-    if unit == "x":
-        if value <= 0:
-            raise ConfigError(f"--memory-caps entry {text!r} is invalid: a fraction must be > 0")
-        return "fraction", value
-    n = value * _UNITS[unit]
-    if n < 1:
-        raise ConfigError(f"--memory-caps entry {text!r} is invalid: a cap must be at least 1 byte")
-    return "bytes", n
+    """One ``--memory-caps`` entry: ``("bytes", n)`` or ``("fraction", f)`` of the reference's peak
+    (:func:`lrmoe.sizes.parse_size`; a bad entry is a one-line ConfigError)."""
+    try:
+        size = parse_size(text, "--memory-caps", relative=True)
+    except SizeError as e:
+        raise ConfigError(str(e)) from None
+    return ("bytes", size) if isinstance(size, int) else ("fraction", size.factor)
 
 
 def parse_caps(text: str) -> list[str]:
