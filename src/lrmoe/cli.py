@@ -1,10 +1,10 @@
 """``lrmoe train | compare | simulate``: the command line.
 
-    lrmoe train    --config FILE [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
-                   [--steps N] [--data PATH] [--hf-model DIR] [--memory-per-rank SIZE] [--out DIR]
+    lrmoe train    (--config FILE | --hf-model DIR) [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N]
+                   [--ep-size E] [--steps N] [--data PATH] [--memory-per-rank SIZE] [--out DIR]
                    [--resume | --overwrite] [--max-restarts R] [RENDEZVOUS]
-    lrmoe compare  --config FILE [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N] [--ep-size E]
-                   [--steps N] [--data PATH] [--hf-model DIR] [--memory-per-rank SIZE | --memory-caps A,B,C]
+    lrmoe compare  (--config FILE | --hf-model DIR) [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N]
+                   [--ep-size E] [--steps N] [--data PATH] [--memory-per-rank SIZE | --memory-caps A,B,C]
                    [--out DIR] [--resume | --overwrite] [--seeds S,T,U] [RENDEZVOUS]
     lrmoe simulate --model NAME --gpus N --gpu-memory SIZE[,SIZE...] --out DIR [options]
 
@@ -39,6 +39,7 @@ from lrmoe.systems import (
 from lrmoe.train.checkpoint import CheckpointError
 from lrmoe.train.config import ConfigError, RunConfig, apply_sets, from_dict, read_config, require_int
 from lrmoe.train.data import DEFAULT_CORPUS, DataError, read_corpus
+from lrmoe.train.hf_defaults import describe_choices, fill_hf_defaults
 from lrmoe.train.launch import RankError, check_out, launch, preflight
 from lrmoe.train.rendezvous import Rendezvous, current_rendezvous, use_rendezvous
 
@@ -50,7 +51,8 @@ SYSTEMS_EXAMPLE = f"{REFERENCE_SYSTEM},{BASE},{OURS}@0.5"  # --systems
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", required=True, help="TOML file (see configs/)")
+    ap.add_argument("--config", help="TOML file (see configs/); optional with --hf-model (lrmoe's defaults for a "
+                                     "checkpoint, printed before launch)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config value, parsed as TOML (repeatable), e.g. --set train.lr=1e-3 "
                          "--set model.moe.top_k=4 --set backward.selection=random")
@@ -87,16 +89,21 @@ def _rendezvous(args: argparse.Namespace) -> Rendezvous:
                       master_port=args.master_port)
 
 
-def _load(args: argparse.Namespace) -> RunConfig:
-    """The config file with ``--set``, ``--hf-model`` and ``--memory-per-rank`` applied (the flag
-    replaces the file's ``budget.memory_bytes`` or ``memory_per_rank``, not a ``--set`` of either)."""
+def _load(args: argparse.Namespace) -> tuple[RunConfig, dict[str, object]]:
+    """The config file (none: lrmoe's defaults, with ``--hf-model`` only) with ``--set``,
+    ``--hf-model`` and ``--memory-per-rank`` applied (the flag replaces the file's
+    ``budget.memory_bytes`` or ``memory_per_rank``, not a ``--set`` of either), and the
+    checkpoint defaults filled in (:mod:`lrmoe.train.hf_defaults`)."""
     hf_model, per_rank = getattr(args, "hf_model", None), getattr(args, "memory_per_rank", None)
+    if not args.config and not hf_model:
+        raise ConfigError("--config FILE is required (or --hf-model DIR: a transformers checkpoint trains with "
+                          "lrmoe's defaults)")
     sets = list(args.set)
     # --hf-model is train.hf_model (absolute: the ranks may start elsewhere), so a [model] the
     # checkpoint fixes is refused as in a config file
     if hf_model:
         sets.append(f"train.hf_model={json.dumps(str(Path(hf_model).resolve()))}")
-    raw = read_config(args.config)
+    raw = read_config(args.config) if args.config else {}
     if per_rank is not None:
         if any(item.partition("=")[0].strip() == "budget.memory_bytes" for item in args.set):
             raise ConfigError("--memory-per-rank and budget.memory_bytes exclude each other: --memory-per-rank is "
@@ -104,7 +111,9 @@ def _load(args: argparse.Namespace) -> RunConfig:
         budget = raw.setdefault("budget", {})
         budget.pop("memory_bytes", None)
         budget["memory_per_rank"] = parse_bytes(per_rank, "--memory-per-rank")
-    return from_dict(apply_sets(raw, sets))
+    raw = apply_sets(raw, sets)
+    filled = fill_hf_defaults(raw)
+    return from_dict(raw), filled
 
 
 def _resolve(args: argparse.Namespace) -> RunConfig:
@@ -113,7 +122,7 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     ``memory_per_rank`` turned into each MoE layer's budget (the split printed)."""
     from lrmoe.train.memory_split import with_memory_per_rank
 
-    cfg = _load(args)
+    cfg, filled = _load(args)
     if getattr(args, "system", None):
         from lrmoe.train.compare import system_config
 
@@ -143,6 +152,9 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "memory_caps", None) is not None and cfg.memory_per_rank is not None:
         raise ConfigError("--memory-caps and --memory-per-rank (budget.memory_per_rank) exclude each other: one "
                           "sweeps each MoE layer's expert-side cap, the other derives it from the rank's memory")
+    if cfg.train.hf_model and (filled or not args.config):  # what the user did not choose, once
+        print(describe_choices(cfg.train.hf_model, filled, vars(cfg.train), cfg.model.seq_len, bool(args.config)),
+              flush=True)
     where = "--memory-per-rank" if getattr(args, "memory_per_rank", None) is not None else "budget.memory_per_rank"
     return with_memory_per_rank(cfg, where)  # a cap too small for the smallest plan stops here
 

@@ -4,7 +4,8 @@ A config has four tables: ``[model]`` (a preset plus overrides, with a nested ``
 ``[train]`` (everything about the run), ``[backward]`` (the LRMoE selection, a
 :class:`BackwardConfig`) and an optional ``[budget]`` (a :class:`ClusterBudget`, for ``lrmoe``,
 plus ``memory_per_rank``: a whole rank's memory, from which the launcher derives
-``memory_bytes``, :mod:`lrmoe.train.memory_split`).
+``memory_bytes``, :mod:`lrmoe.train.memory_split`). With ``train.hf_model`` the keys left out
+take the checkpoint defaults (:mod:`lrmoe.train.hf_defaults`).
 ``[compare]`` configures ``lrmoe compare``. The resolved config is written next to the results
 (``config.toml``, :mod:`lrmoe.train.toml_dump`) so a run can be repeated exactly.
 """
@@ -22,6 +23,7 @@ from lrmoe.systems import COMPARE_DEFAULT, DEFAULT_SYSTEM, REFERENCE_SYSTEM, SYS
 from lrmoe.systems import parse_system_name as _parse_system_name
 from lrmoe.train.config_checks import ConfigError, require_int, require_number
 from lrmoe.train.data import DEFAULT_CORPUS
+from lrmoe.train.hf_defaults import fill_hf_defaults
 from lrmoe.validation import is_int_at_least
 
 # what [model] still sets when train.hf_model names a transformers checkpoint: the window length
@@ -202,6 +204,8 @@ def from_dict(raw: dict) -> RunConfig:
     unknown = set(raw) - {"model", "train", "backward", "budget", "compare"}
     if unknown:
         raise ConfigError(f"unknown tables {sorted(unknown)}: expected model, train, backward, budget, compare")
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # filled below, not the caller's
+    fill_hf_defaults(raw)
     try:
         model = ModelConfig.from_dict(raw.get("model", {}))
     except (ValueError, TypeError) as e:
