@@ -1,7 +1,7 @@
 """lrmoe: Mixture-of-Experts training with expert parallelism and the LRMoE backward.
 
-The algorithm, the definitions every module uses and how each system is described are in
-docs/design.md. Package layout, data flowing one way (config → router → planner → dispatch → experts →
+The algorithm and the definitions every module uses are in docs/design.md; how each system is
+described, in docs/systems.md. Package layout, data flowing one way (config → router → planner → dispatch → experts →
 combine, once each way per pass; inside the subpackages too: no module imports one that imports it,
 tests/test_imports.py):
 

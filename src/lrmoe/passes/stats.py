@@ -3,7 +3,7 @@
 Every key a call reports is a field here, filled by the pass that measures it (a field left
 None is not reported: a forward-only call has no backward figures, a system without a node map
 no inter-node bytes). :meth:`CallStats.as_dict` gives the ``last_stats`` view, its keys and
-their order a public contract (docs/design.md "Definitions every issue uses").
+their order a public contract (docs/design.md "Definitions").
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def add_simulate_parser(sub) -> None:
                     help="the time objective's floor on each expert's kept ratio")
     sm.add_argument("--warm-share", type=float, default=0.0,
                     help=f"share of {OURS}'s steps to target in its warm phase (trim_after over its steps; "
-                         "configs/paper.toml: 50 of ~165, 0.3): they run at --warm-ratio with no time objective "
+                         "configs/paper.toml: 40 of ~166, 0.24): they run at --warm-ratio with no time objective "
                          "(default 0: none)")
     sm.add_argument("--warm-ratio", type=float, default=BackwardConfig.warm_ratio,
                     help="the warm phase's kept ratio (default 1: every pair memory and the network allow)")
