@@ -175,14 +175,12 @@ class MoELayer(nn.Module):
         """The figures of the latest call begun or backward finished (:class:`~lrmoe.passes.CallStats`
         as a dict). A local selection's ``nonfinite`` flag stays on the device until read here,
         so the backward itself never waits for it."""
-        latest = self._calls.latest
-        return {} if latest is None else latest.stats.as_dict()
+        return self._calls.stats()
 
     @property
     def last_kept(self) -> torch.Tensor | None:
         """(T, K) bool: the pairs the latest backward kept."""
-        latest = self._calls.latest_backward
-        return None if latest is None else latest.kept_TK
+        return self._calls.kept_TK()
 
     @property
     def last_scale(self) -> torch.Tensor | None:

@@ -98,11 +98,9 @@ class RoutedPath:
     @property
     def last_stats(self) -> dict:
         """The latest call's figures, as :attr:`MoELayer.last_stats <lrmoe.layer.MoELayer.last_stats>`."""
-        latest = self._calls.latest
-        return {} if latest is None else latest.stats.as_dict()
+        return self._calls.stats()
 
     @property
     def last_kept(self) -> torch.Tensor | None:
         """(T, K) bool: the pairs the latest backward kept."""
-        latest = self._calls.latest_backward
-        return None if latest is None else latest.kept_TK
+        return self._calls.kept_TK()

@@ -44,6 +44,14 @@ class CallLog:
     def finished_backward(self, call: CallRecord) -> None:
         self.latest = self.latest_backward = call
 
+    def stats(self) -> dict:
+        """The latest call's figures (:class:`~lrmoe.passes.stats.CallStats` as a dict; {} before any)."""
+        return {} if self.latest is None else self.latest.stats.as_dict()
+
+    def kept_TK(self) -> torch.Tensor | None:
+        """(T, K) bool: the pairs the latest backward kept."""
+        return None if self.latest_backward is None else self.latest_backward.kept_TK
+
 
 @dataclass(frozen=True)
 class LayerContext:
