@@ -66,7 +66,7 @@ def _common(ap: argparse.ArgumentParser) -> None:
                          "save_pretrained output goes to out/hf and each checkpoint (overrides train.hf_model)")
     ap.add_argument("--memory-per-rank", metavar="SIZE",
                     help="the whole rank's memory (model, gradients, optimizer state, activations, MoE layers), "
-                         "e.g. 40GiB or 3MiB; each MoE layer's expert-side budget (budget.memory_bytes) is derived "
+                         "e.g. 40GiB or 32MiB; each MoE layer's expert-side budget (budget.memory_bytes) is derived "
                          "from it and the split printed before launch (overrides budget.memory_per_rank)")
     ap.add_argument("--overwrite", action="store_true", help="replace the earlier outputs in a used --out")
     rz = ap.add_argument_group("rendezvous (torchrun's; none of them: one machine, torchrun --standalone)")
