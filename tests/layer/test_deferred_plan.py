@@ -68,7 +68,7 @@ def deferred_case(group, selection: str, mode: str):
     log, phase = [], ["forward"]
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(LayerPlanner, "_keep_mode", lambda self, *args: mode)
+        mp.setattr(LayerPlanner, "keep_mode", lambda self, *args: mode)
         _watch(mp, log, phase)
         backward = function.routed_backward
 

@@ -171,7 +171,7 @@ def test_the_planners_keep_mode_only_gets_richer_along_the_candidates(kept_rows)
     candidates = [fixed_ratio_quota(counts_SE.sum(0), r) for r in candidate_ratios(0.3)]
 
     def keep_of(q_E):
-        return planner._keep_mode(plan.placement, plan.assignment, plan.chunk_rows_R, q_E)
+        return planner.keep_mode(plan.placement, plan.assignment, plan.chunk_rows_R, q_E)
 
     every = [keep_of(q) for q in candidates]
     assert len(set(every)) == 2, "the cap makes the mode change along the ratios"

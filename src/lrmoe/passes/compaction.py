@@ -99,5 +99,3 @@ def compact_in_place(tensors: list[torch.Tensor], kept_rows: torch.Tensor, fwd_L
     move_rows(tensors, src, dst)
     return layout
 
-
-__all__ = ["STAGING_ROWS", "InPlace", "compact_in_place", "gather_kept_rows", "move_rows", "plan_in_place"]

@@ -197,6 +197,3 @@ def choose(spec: SystemSpec, keep: str | None, local: bool) -> tuple[Selector, R
         return selector, ResentRows()
     return selector, KeptInStrata() if local else KeptByMask()
 
-
-__all__ = ["BackwardRows", "DyRows", "ForwardRows", "KeptByMask", "KeptInStrata", "MaskedRows", "ResentRows",
-           "RoundRows", "RowPath", "backward_chunk", "choose"]

@@ -70,5 +70,3 @@ class StrataSelector(Selector):
         kept_SE = strata.counts.kept_SE
         return Kept(keep_P, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite, strata, keep_N)
 
-
-__all__ = ["ForwardPairs", "GlobalSelector", "Kept", "Selector", "StrataSelector"]

@@ -40,7 +40,7 @@ class BackwardPlanner(Protocol):
     steps: int
     rank: int
 
-    def _keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
+    def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
                    quota_E: torch.Tensor) -> str: ...
 
 
@@ -63,7 +63,7 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
         def keep_of(q_E: torch.Tensor) -> str:
-            return planner._keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
+            return planner.keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
 
         if cfg.objective == "time":
             quota_E, keep = fastest_quotas(counts_E, plan.assignment.rows_ER(), quota_E, keep_of, cfg)

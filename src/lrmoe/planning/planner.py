@@ -268,7 +268,7 @@ class LayerPlanner:
             return self._replan_in_call(forward_SE, []), figures, True
         return Fit(self.placement, assignment, chunks, None, True), figures, False
 
-    def _keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
+    def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
                    quota_E: torch.Tensor) -> str:
         """What a compacting backward's expert side keeps (:func:`lrmoe.planning.peaks.keep_mode`),
         or what its ``BackwardConfig.keep`` fixes."""

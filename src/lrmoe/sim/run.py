@@ -28,7 +28,7 @@ from lrmoe.sim.config import WARM_PHASE, SimConfig, check_caps, routing_counts
 from lrmoe.sim.host import PlanningReference
 from lrmoe.sim.layer_calls import LayerCall
 from lrmoe.sim.report import plot_sensitivity, write_results
-from lrmoe.sim.runner import Run, Runner
+from lrmoe.sim.runner import Runner
 from lrmoe.sim.search import BUDGET_TOLERANCE, BUDGET_TRIES, PREFIX_STEPS
 from lrmoe.sim.summary import Phase, result_row, summarise, time_to_target
 from lrmoe.sim.target import StepsToTarget
@@ -200,7 +200,7 @@ def project(cfgs: list[SimConfig], out: Path, progress: bool = True, plots: bool
     return results
 
 
-# summarise, time_to_target (lrmoe.sim.summary), the budget search's constants (lrmoe.sim.search)
-# and Run (lrmoe.sim.runner) stay importable from here, where they lived before the split
-__all__ = ["BUDGET_TOLERANCE", "BUDGET_TRIES", "PREFIX_STEPS", "Projection", "Run", "SimConfig", "lrmoe_name",
+# summarise, time_to_target (lrmoe.sim.summary) and the budget search's constants (lrmoe.sim.search)
+# stay importable from here, where they lived before the split
+__all__ = ["BUDGET_TOLERANCE", "BUDGET_TRIES", "PREFIX_STEPS", "Projection", "SimConfig", "lrmoe_name",
            "project", "simulate", "summarise", "time_to_target"]
