@@ -20,14 +20,18 @@ from torch import nn
 from lrmoe.grouped_gemm import Slots, grouped_mm, grouped_mm_wgrad
 
 
+def span_counts(counts_L: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows of each slot among the slot-major rows [a, b)."""
+    ends = counts_L.cumsum(0)
+    return (ends.clamp(max=b) - (ends - counts_L).clamp(min=a)).clamp(min=0)
+
+
 def chunk_spans(counts_L: torch.Tensor, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Slot-major rows in chunks of ``chunk``: (first row, end row, rows of each slot in it)."""
-    ends = counts_L.cumsum(0)
-    starts = ends - counts_L
-    total = int(ends[-1]) if len(ends) else 0
+    total = int(counts_L.sum())
     for a in range(0, total, chunk):
         b = min(a + chunk, total)
-        yield a, b, (ends.clamp(max=b) - starts.clamp(min=a)).clamp(min=0)
+        yield a, b, span_counts(counts_L, a, b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,10 +74,20 @@ def expert_forward(
     """Returns y_RD (written into ``y_out`` if given) and the activations a backward may reuse:
     gate, up, silu(gate), h. The weights may be several sets (:func:`grouped_mm`)."""
     gate_RF, up_RF = gate_up_forward(x_RD, gate_up_L2FD, counts_L)
+    silu_RF, h_RF = swiglu(gate_RF, up_RF)
+    return down_forward(h_RF, down_LDF, counts_L, y_out), {"gate": gate_RF, "up": up_RF, "silu": silu_RF, "h": h_RF}
+
+
+def swiglu(gate_RF: torch.Tensor, up_RF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate), h = silu(gate) ⊙ up)."""
     silu_RF = F.silu(gate_RF)
-    h_RF = silu_RF * up_RF
-    y_RD = grouped_mm(h_RF, _transposed(down_LDF), counts_L, out=y_out)
-    return y_RD, {"gate": gate_RF, "up": up_RF, "silu": silu_RF, "h": h_RF}
+    return silu_RF, silu_RF * up_RF
+
+
+def down_forward(h_RF: torch.Tensor, down_LDF: Slots, counts_L: torch.Tensor, y_out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """y = h W_dᵀ of each row's expert (written into ``y_out`` if given)."""
+    return grouped_mm(h_RF, _transposed(down_LDF), counts_L, out=y_out)
 
 
 def expert_backward(
@@ -100,8 +114,7 @@ def expert_backward(
     x_at = saved_starts_L
     if acts is None:
         gate_RF, up_RF = gate_up_forward(x_RD, gate_up_L2FD, counts_L, x_at)
-        silu_RF = F.silu(gate_RF)
-        h_RF = silu_RF * up_RF
+        silu_RF, h_RF = swiglu(gate_RF, up_RF)
         acts_at = None
     else:
         gate_RF, up_RF, silu_RF, h_RF = (acts.pop(k) for k in ("gate", "up", "silu", "h"))

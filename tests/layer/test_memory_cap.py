@@ -78,7 +78,7 @@ def cap_case(group, system: str, fraction: float, cap_bytes: int | None = None, 
                 records.append({k: s.get(k) for k in ("peak_expert_side_bytes", "predicted_peak_bytes",
                                                       "memory_cap_bytes", "replica_slots", "keep_mode",
                                                       "fwd_chunk_rows", "bwd_chunk_rows", "recv_rows",
-                                                      "exchange_rounds")})
+                                                      "exchange_rounds", "kept_acts_rows", "kept_gate_up_rows")})
             with torch.no_grad():  # an evaluation call: the forward alone, within the cap too
                 layer(x[lo:hi])
             e = dict(layer.last_stats)

@@ -45,15 +45,15 @@ def test_symi_takes_fewer_replicas_only_where_its_default_does_not_fit():
     counts_SE = _counts_SE(world)
     peak = _static_peak(world, counts_SE)
     default = LayerPlanner(spec_of("symi"), cfg, world).default_slots_R
-    # 0.65 × static's peak: the default slots, fixed, fit only by keeping x alone to the backward;
-    # derived from the cap, the replicas re-planned by the call's rows fit keeping x and the
-    # activations (the richest way that fits is taken)
+    # 0.65 × static's peak: copies first (the fit ladder): fixed or derived from the cap, the
+    # default slots, every rank keeping by the row, most of its rows' activations kept
     cap = int(0.65 * peak)
-    fixed = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=default))
-    plan = fixed.plan_call(counts_SE)
-    assert plan.keep == "x" and max(plan.peak_R) <= cap and [len(s) for s in plan.placement.slots] == default
-    plan = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap)).plan_call(counts_SE)
-    assert plan.keep is None and max(plan.peak_R) <= cap
+    for slots in (default, None):
+        plan = LayerPlanner(spec_of("symi"), cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=slots)
+                            ).plan_call(counts_SE)
+        assert plan.keep == "x" and max(plan.peak_R) <= cap and [len(s) for s in plan.placement.slots] == default
+        rows_R = plan.assignment.rows_R()
+        assert sum(s.acts for s in plan.split_R) >= 0.9 * sum(rows_R), plan.split_R
     # 0.4 ×: the default slots, fixed, fit only with nothing kept and the rows in rounds; at the
     # default copies' own bytes, no way; derived from the cap, fewer copies (keeping x alone),
     # re-planned inside the call and then at every step

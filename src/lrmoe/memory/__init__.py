@@ -3,7 +3,7 @@ replay on numbers.
 
     bytes.py   ByteModel (bytes per slot, per row), the keep modes, and kept_to_backward: what the
                expert side keeps from forward to backward (decided once for the layer, the replay
-               and the simulator)
+               and the simulator); RowSplit: a call keeping by the row
     meter.py   MemoryMeter: bytes held during one layer call and their peak (the exchanges' hook)
     replay.py  RankWork and expert_side_peak: the meter replayed on numbers (planning, simulation)
 """
@@ -17,6 +17,7 @@ from lrmoe.memory.bytes import (
     KEEP_X_ACTS,
     ByteModel,
     Kept,
+    RowSplit,
     expert_param_bytes,
     kept_to_backward,
     nbytes,
@@ -26,5 +27,5 @@ from lrmoe.memory.meter import MemoryMeter
 from lrmoe.memory.replay import RankWork, expert_side_peak
 
 __all__ = ["GIB", "H_SQ_BYTES", "KEEP_MODES", "KEEP_NOTHING", "KEEP_X", "KEEP_X_ACTS", "ByteModel", "Kept",
-           "MemoryMeter", "RankWork", "expert_param_bytes", "expert_side_peak", "kept_to_backward", "nbytes",
-           "position_bytes"]
+           "MemoryMeter", "RankWork", "RowSplit", "expert_param_bytes", "expert_side_peak", "kept_to_backward",
+           "nbytes", "position_bytes"]

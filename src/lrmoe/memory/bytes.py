@@ -155,6 +155,33 @@ def kept_to_backward(spec: SystemSpec, keep: str | None, chunked: bool) -> Kept:
     return Kept(rows=keep in (KEEP_X, KEEP_X_ACTS), acts=keep == KEEP_X_ACTS and not chunked)
 
 
+GATE_UP = "gate_up"  # a row part keeping x and the gate/up products (RowSplit)
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """What one rank's received rows keep to the backward, row by row, richest first (docs/design.md
+    "Keep by the row"): in slot-major order the first ``acts`` rows keep x and the four activations
+    (nothing recomputed), the next ``gate_up`` keep x and gate/up (silu and h recomputed, two
+    elementwise ops: Megatron-Core's ``moe_act`` recomputation), the rest x alone (gate/up/h
+    recomputed in chunks). A capped exact call chooses one per rank (:mod:`lrmoe.planning.peaks`):
+    a cold rank keeps everything, a hot one as much as its cap allows."""
+
+    acts: int
+    gate_up: int = 0
+
+    def spans(self, rows: int) -> list[tuple[str, int, int]]:
+        """(kind, first row, end row) of each non-empty part of ``rows`` received rows, richest first."""
+        a, g = min(self.acts, rows), min(self.acts + self.gate_up, rows)
+        parts = [(KEEP_X_ACTS, 0, a), (GATE_UP, a, g), (KEEP_X, g, rows)]
+        return [(kind, lo, hi) for kind, lo, hi in parts if hi > lo]
+
+    def richer(self, rows: int) -> list[RowSplit]:
+        """Each split with one row kept one step richer (x → gate/up, gate/up → activations)."""
+        return ([RowSplit(self.acts, self.gate_up + 1)] if self.acts + self.gate_up < rows else []) + (
+            [RowSplit(self.acts + 1, self.gate_up - 1)] if self.gate_up > 0 else [])
+
+
 IN_PLACE_FROM = 0.6  # a keep-x+acts backward compacts in place from this share of its saved rows kept
 
 

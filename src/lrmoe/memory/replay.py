@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lrmoe.memory.bytes import H_SQ_BYTES, ByteModel, in_place, in_rounds, kept_to_backward
+from lrmoe.memory.bytes import (
+    GATE_UP,
+    H_SQ_BYTES,
+    KEEP_X,
+    KEEP_X_ACTS,
+    ByteModel,
+    RowSplit,
+    in_place,
+    in_rounds,
+    kept_to_backward,
+)
 from lrmoe.systems import SystemSpec, spec_of
 
 
@@ -25,6 +35,7 @@ class RankWork:
     backward: bool = True  # False: a forward-only call (nothing kept, no backward)
     keep: str | None = None  # what the expert side keeps (KEEP_MODES); None: what the system keeps
     bwd_chunk_rows: int | None = None  # a recomputing backward works this many rows at a time; None: all at once
+    split: RowSplit | None = None  # a capped exact training call keeping by the row (keep: x)
 
 
 class _Replay:
@@ -73,6 +84,7 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
       and holds one chunk's activations and gathered dy rows at a time. The kept rows' positions
       (4 bytes a row in dy's message) or the global selections' one byte per forward row are
       bookkeeping, like the row plans' indices, and not counted.
+    - a call keeping by the row (:class:`~lrmoe.memory.bytes.RowSplit`, :func:`_by_the_row`).
     - an exact call that keeps nothing (:func:`~lrmoe.memory.bytes.in_rounds`) moves its rows in
       rounds (:mod:`lrmoe.parallel.rounds`): its largest forward round, then its largest
       backward round, on top of the slots (:meth:`~lrmoe.memory.bytes.ByteModel.round_forward`).
@@ -83,6 +95,9 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
     replay = _Replay(bm.slots_held(work.copies, work.owned) + slices)
     if in_rounds(spec, work.keep):
         _in_rounds(replay, bm, work)
+        return int(replay.peak)
+    if work.split is not None:
+        _by_the_row(replay, spec, bm, work)
         return int(replay.peak)
     chunked = work.chunk_rows is not None and work.chunk_rows < work.fwd_rows
     _forward(replay, spec, bm, work, chunked)
@@ -138,6 +153,33 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
         replay.now -= acts_rows * acts_row
     if work.replicas_anywhere:
         replay.hold((work.copies - work.owned) * bm.slot_params)  # replica gradients' send buffer (laer: every copy's)
+
+
+def _by_the_row(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork) -> None:
+    """A training call keeping by the row (:mod:`lrmoe.passes.split`): x received, y and ‖h‖²
+    held; the activations' rows computed at once and held, the gate/up rows' products held with
+    silu and h a forward chunk at a time, the x-only rows a chunk at a time; y and ‖h‖² home.
+    The backward reads dy in its received order (no slot-major copy), each part a backward chunk
+    at a time (a chunk's dy rows gathered where the world regroups them; silu and h recomputed
+    for the gate/up rows, all four for the x-only rows), then frees what the forward kept."""
+    R, row, act = work.fwd_rows, bm.row, bm.ffn_dim * bm.dtype_bytes  # act: one (row, F) activation
+    regroup = work.world > 1 and work.copies > 1
+    rows = {kind: hi - lo for kind, lo, hi in work.split.spans(R)}
+    a, g, rest = rows.get(KEEP_X_ACTS, 0), rows.get(GATE_UP, 0), rows.get(KEEP_X, 0)
+    kept = a * 4 * act + g * 2 * act
+    replay.receive(R, row, regroup)
+    h_sq = H_SQ_BYTES * R if spec.selective else 0
+    replay.hold(R * row + h_sq)
+    replay.hold(kept)
+    chunk = work.chunk_rows or R
+    replay.reach(max(min(chunk, g) * 2 * act, min(chunk, rest) * 4 * act))
+    replay.now -= R * row + h_sq  # y and ‖h‖² went home
+    replay.now += R * row  # dy
+    chunk, gather = work.bwd_chunk_rows or R, row if regroup else 0
+    replay.reach(max(min(chunk, n) * (per_row + gather) for n, per_row in ((a, 0), (g, 2 * act), (rest, 4 * act))))
+    replay.now -= kept
+    if work.replicas_anywhere:
+        replay.hold((work.copies - work.owned) * bm.slot_params)
 
 
 def _largest_round(rows: int, chunk: int | None) -> int:

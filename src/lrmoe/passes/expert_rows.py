@@ -1,6 +1,7 @@
 """The expert backward over the rows an expert side received (the forward's, or a backward
 layout's): the grouped SwiGLU backward with the saved activations, or recomputing them from x
-for every row at once or, where the plan chunks this rank's backward, a chunk at a time."""
+for every row at once or, where the plan chunks this rank's backward, a chunk at a time, or
+part by part where the call kept by the row (:mod:`lrmoe.passes.by_row`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from lrmoe import experts
 from lrmoe.parallel import comm
 from lrmoe.passes.backward_rows import BackwardRows
+from lrmoe.passes.by_row import backward_by_row
 from lrmoe.passes.record import CallRecord
 
 
@@ -21,6 +23,11 @@ def expert_rows_backward(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.T
     acts, saved.acts = saved.acts, None
     w_gu, w_down = saved.slot_weights or (gate_up, down)
     saved.slot_weights = None
+    by_row, saved.by_row = saved.by_row, None
+    if by_row is not None:  # part by part, dy in received order (the plan's chunk set for every rank)
+        order = None if rows.dy_slot_major else comm.to_device(rows.layout.regroup_idx, dy_RD.device)
+        return backward_by_row(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, by_row, rows.chunk, order,
+                               meter)
     if acts is not None:
         meter.drop(*acts.values())
         starts_L = None if saved.in_place is None else saved.in_place.starts_L

@@ -24,6 +24,7 @@ from lrmoe.parallel.comm import Channel, WireCounter
 from lrmoe.parallel.dispatch import Message, to_experts, to_home, to_home_with_norms
 from lrmoe.parallel.rows import row_layout
 from lrmoe.passes import row_paths
+from lrmoe.passes.by_row import forward_by_row
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import forward_in_rounds
 from lrmoe.planning.cost import ADAM_STATES
@@ -154,7 +155,8 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
             ) -> tuple[torch.Tensor, Message | None, dict[str, torch.Tensor] | None]:
     """The grouped SwiGLU experts over every received row, all at once or, where the plan chunks
     this rank's forward, ``chunk`` rows at a time (activations dropped after each chunk: a
-    budgeted expert side never holds more than a chunk). Returns (y, for a selective backward
+    budgeted expert side never holds more than a chunk), or by the row where the plan splits
+    this rank's rows (:mod:`lrmoe.passes.by_row`: its parts kept on the record). Returns (y, for a selective backward
     the return message holding y and ‖h‖² per row side by side, the activations or None when
     chunked)."""
     rows, meter = call.rows, call.meter
@@ -164,7 +166,14 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
     norms = Message.empty(R, D, rows_RD, torch.float64) if selective else None  # y then written into it
     h_sq_R = norms.extra if norms is not None else (
         torch.empty(R, dtype=torch.float64, device=rows_RD.device) if selective else None)
-    if chunk < R:
+    split = None if call.plan.split_R is None else call.plan.split_R[call.layer.rank]
+    if split is not None:  # kept by the row: each part as its rank's cap allows
+        y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
+        meter.hold(y_RD, h_sq_R)
+        call.saved.by_row = forward_by_row(rows_RD, weights.gate_up, weights.down, rows.slot_counts, split, chunk,
+                                           y_RD, h_sq_R, meter)
+        acts = None
+    elif chunk < R:
         y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
         meter.hold(y_RD, h_sq_R)
         for a, b, part_L in experts.chunk_spans(rows.slot_counts, chunk):

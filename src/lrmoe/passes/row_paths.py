@@ -62,9 +62,10 @@ def _packed_in_order(dy: DyRows, layout: RowLayout, order_R: torch.Tensor | None
 
 
 def backward_chunk(call: CallRecord) -> int | None:
-    """Rows this rank's backward recomputes at once where the plan chunks it (None: all at once)."""
+    """Rows this rank's backward recomputes at once where the plan chunks it (None: all at once;
+    a call keeping by the row always works in chunks, reading dy in its received order)."""
     chunk_R = call.plan.bwd_chunk_rows_R
-    if chunk_R is None or chunk_R[call.layer.rank] >= call.rows.recv_rows:
+    if chunk_R is None or (chunk_R[call.layer.rank] >= call.rows.recv_rows and call.plan.split_R is None):
         return None
     return chunk_R[call.layer.rank]
 

@@ -9,6 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
+from lrmoe.memory.bytes import RowSplit
+
+
+@dataclass(frozen=True)
+class KeptParts:
+    """What a call keeping by the row kept of its rows beyond x (:mod:`lrmoe.passes.by_row`)."""
+
+    split: RowSplit
+    acts: dict[str, torch.Tensor] | None  # the activations part's gate, up, silu(gate), h
+    gate_up: tuple[torch.Tensor, torch.Tensor] | None  # the gate/up part's gate and up
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*(self.acts or {}).values(), *(self.gate_up or ())]
+
 
 @dataclass(frozen=True)
 class InPlace:
@@ -26,6 +40,7 @@ class Saved:
     acts: dict[str, torch.Tensor] | None = None  # gate, up, silu(gate), h of those rows
     slot_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # concatenated or assembled slot weights
     in_place: InPlace | None = None  # the backward compacted its kept rows in place (lrmoe.passes.compaction)
+    by_row: KeptParts | None = None  # a call keeping by the row: its parts beyond x
 
     def clear(self) -> None:
-        self.rows_RD = self.acts = self.slot_weights = self.in_place = None
+        self.rows_RD = self.acts = self.slot_weights = self.in_place = self.by_row = None

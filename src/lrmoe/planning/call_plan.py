@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lrmoe.memory.bytes import spec_keep
+from lrmoe.memory.bytes import RowSplit, spec_keep
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.figures import PlanFigures
 from lrmoe.planning.pair_rules import assign_pairs
@@ -56,6 +56,7 @@ class CallPlan:
     node_of: list[int] | None = None  # rank -> node, for a node-aware rule
     bwd_chunk_rows_R: list[int] | None = None  # rows each rank's backward recomputes at once (None: all at once)
     rounds_R: list[int] | None = None  # rows a round brings each rank, where the call's exchanges run in rounds
+    split_R: list[RowSplit] | None = None  # a capped exact training call keeping by the row: each rank's parts
     # the backward's part (:meth:`with_backward`; before it, a training call's forward plan only)
     strata: StrataCounts | None = None  # a local selection: this rank's kept counts per stratum
     kept_assignment: PairAssignment | None = None  # a local selection re-spread: where its kept pairs go

@@ -47,19 +47,23 @@ class CapFitter:
     def memory_R(self) -> list[int]:
         return self.peaks.memory_R
 
-    def keeping(self, keep: str) -> CapFitter:
-        """This fitter for plans that keep ``keep`` from forward to backward."""
-        return replace(self, peaks=replace(self.peaks, keep=keep))
+    def keeping(self, keep: str, by_row: bool = False) -> CapFitter:
+        """This fitter for plans that keep ``keep`` from forward to backward (``by_row``: by the row)."""
+        return replace(self, peaks=replace(self.peaks, keep=keep, by_row=by_row))
 
     def with_fallbacks(self) -> list[CapFitter]:
-        """This fitter, then those of the exact ways to keep less: a system that keeps x and the
-        activations may keep x alone, recomputing them in a (chunked) backward, and chunk its
-        forward; an exact (non-selective) one may keep nothing and move its rows in rounds, x
-        re-sent with dy (:mod:`lrmoe.parallel.rounds`). Richest first: a cap a richer plan fits
-        never pays for recomputation, nor rounds for re-sending."""
+        """The fit ladder (docs/design.md "Keep by the row"), one rung a fitter: a system that keeps
+        x and the activations keeps by the row instead, each rank as much as its cap allows beside
+        the expert copies its placement asks for (:mod:`lrmoe.planning.row_split`: activations,
+        gate/up, x alone, recomputing the rest in chunks); an exact (non-selective) system may
+        then keep nothing and move its rows in rounds, x re-sent with dy
+        (:mod:`lrmoe.parallel.rounds`). Richest first: a cap a richer plan fits never pays for
+        recomputation, nor rounds for re-sending."""
         spec = self.peaks.spec
-        leaner = ([KEEP_X] if spec_keep(spec) == KEEP_X_ACTS else []) + ([] if spec.selective else [KEEP_NOTHING])
-        return [self] + [self.keeping(keep) for keep in leaner]
+        first = self
+        if spec_keep(spec) == KEEP_X_ACTS and not spec.compacts:
+            first = self.keeping(KEEP_X, by_row=True)
+        return [first] + ([] if spec.selective else [self.keeping(KEEP_NOTHING)])
 
     def fit(self, forward_SE: torch.Tensor, placement: Placement, training: bool) -> Fit:
         """The call under ``placement``: the system's own assignment, or, where that does not

@@ -23,6 +23,8 @@ class PlanFigures:
     predicted_peak_bytes: int | None = None  # this rank's predicted peak (a capped non-controller system)
     fwd_chunk_rows: int | None = None  # a capped call: rows this rank's forward computes at once
     bwd_chunk_rows: int | None = None  # a capped call: rows this rank's backward recomputes at once
+    kept_acts_rows: int | None = None  # a call keeping by the row: this rank's rows keeping x and activations
+    kept_gate_up_rows: int | None = None  # ... keeping x and gate/up (the rest keep x alone)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -39,4 +41,6 @@ def cap_figures(fit: Fit, memory_R: list[int] | None, rank: int, exact_backward:
     return {"memory_cap_bytes": memory_R[rank],
             "predicted_peak_bytes": None if fit.peak_R is None else fit.peak_R[rank],
             "fwd_chunk_rows": rows if fit.chunk_rows_R is None else fit.chunk_rows_R[rank],
-            "bwd_chunk_rows": bwd if exact_backward else None}
+            "bwd_chunk_rows": bwd if exact_backward else None,
+            "kept_acts_rows": None if fit.split_R is None else fit.split_R[rank].acts,
+            "kept_gate_up_rows": None if fit.split_R is None else fit.split_R[rank].gate_up}

@@ -16,6 +16,7 @@ from lrmoe.memory.bytes import (
     KEEP_NOTHING,
     KEEP_X_ACTS,
     ByteModel,
+    RowSplit,
     in_rounds,
     kept_to_backward,
     position_bytes,
@@ -23,6 +24,7 @@ from lrmoe.memory.bytes import (
 from lrmoe.memory.replay import RankWork, expert_side_peak
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
+from lrmoe.planning.row_split import fit_by_row
 from lrmoe.systems import PlacementKind, SystemSpec
 
 
@@ -37,19 +39,22 @@ class Fit:
     ok: bool  # every rank within its cap
     bwd_chunk_rows_R: list[int] | None = None  # backward rows each rank recomputes at once (None: all)
     keep: str | None = None  # what the expert side keeps (None: what the system keeps)
+    split_R: list[RowSplit] | None = None  # a training call keeping by the row: each rank's parts
 
 
 @dataclass(frozen=True)
 class RankPeaks:
     """Predicted peaks of one layer's ranks under their caps ``memory_R``, keeping ``keep`` from
     forward to backward (None: what the system keeps; an exact system may keep x alone instead
-    of x and the activations, recomputing them in the backward)."""
+    of x and the activations, recomputing them in the backward). ``by_row``: a training call
+    keeps by the row, each rank as much as its cap allows (:mod:`lrmoe.planning.row_split`)."""
 
     spec: SystemSpec
     config: MoEConfig
     world: int
     memory_R: list[int]
     keep: str | None = None
+    by_row: bool = False
 
     @property
     def bytes(self) -> ByteModel:
@@ -72,14 +77,15 @@ class RankPeaks:
         return self.chunks and not self.spec.compacts
 
     def work(self, placement: Placement, r: int, rows: int, training: bool, chunk: int | None = None,
-             bwd_chunk: int | None = None) -> RankWork:
+             bwd_chunk: int | None = None, split: RowSplit | None = None) -> RankWork:
         """What rank r's expert side handles computing ``rows`` rows under ``placement`` (the
-        backward of these systems carries the forward's rows)."""
+        backward of these systems carries the forward's rows; by the row: x alone unless ``split``)."""
         sharded = self.spec.placement is PlacementKind.SHARDED
         E = self.config.num_experts
         owned = 0 if sharded else len(placement.owned(r))
         return RankWork(rows, rows if training else 0, len(placement.slots[r]), owned, chunk, self.world,
-                        sharded or placement.num_copies > E, E if sharded else 0, training, self.keep, bwd_chunk)
+                        sharded or placement.num_copies > E, E if sharded else 0, training, self.keep, bwd_chunk,
+                        RowSplit(0) if split is None and self.by_row and training else split)
 
     def peak(self, work: RankWork) -> int:
         return expert_side_peak(self.spec, self.config.dim, self.config.ffn_dim, self.bytes.dtype_bytes, work)
@@ -98,27 +104,33 @@ class RankPeaks:
                 hi = mid - 1
         return lo, peak_of(lo)
 
-    def rank_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int | None, int]:
+    def rank_fit(self, placement: Placement, r: int, rows: int, training: bool
+                 ) -> tuple[int, int | None, int, RowSplit | None]:
         """(forward chunk rows, backward chunk rows or None, predicted peak) of rank r computing
         ``rows`` rows: in rounds (:attr:`rounds`), the largest round that fits both passes;
         otherwise all at once where that fits, else the largest forward chunk that does,
         else (a recomputing backward) the backward recomputed in the largest chunk that fits
         beside a one-row forward chunk, then the largest forward chunk beside it. The peak is
-        over the cap where nothing fits."""
+        over the cap where nothing fits. :attr:`by_row` (a training call): the richest
+        :class:`RowSplit` within the cap, then its chunks (the last element; otherwise None)."""
         cap = self.memory_R[r]
         if self.rounds:
-            return self._round_fit(placement, r, rows, training)
+            return *self._round_fit(placement, r, rows, training), None
+        if self.by_row and training:
+            by_row = fit_by_row(lambda split, c, b: self.peak(self.work(placement, r, rows, True, c, b, split)),
+                                rows, cap)
+            return by_row.chunk, by_row.bwd_chunk, by_row.peak, by_row.split
         peak = self.peak(self.work(placement, r, rows, training))
         if peak <= cap or not self.chunks or rows <= 1:
-            return max(rows, 1), None, peak
+            return max(rows, 1), None, peak, None
         chunk, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, training, c)), rows, cap)
         if peak <= cap or not (training and self.backward_chunks):
-            return chunk, None, peak
+            return chunk, None, peak, None
         bwd, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, True, 1, c)), rows, cap)
         if peak > cap:
-            return 1, 1, peak
+            return 1, 1, peak, None
         chunk, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, True, c, bwd)), rows, cap)
-        return chunk, bwd, peak
+        return chunk, bwd, peak, None
 
     def _round_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int | None, int]:
         """:meth:`rank_fit` in rounds: the most rows a round brings rank r (both passes alike)
@@ -148,10 +160,16 @@ class RankPeaks:
     def measure(self, placement: Placement, assignment: PairAssignment, training: bool) -> Fit:
         """Every rank's chunks and peak under ``assignment``, and whether all fit."""
         recv_R = assignment.rows_R()
-        chunk_R, bwd_R, peak_R = zip(*(self.rank_fit(placement, r, int(n), training) for r, n in enumerate(recv_R)))
+        chunk_R, bwd_R, peak_R, split_R = zip(*(self.rank_fit(placement, r, int(n), training)
+                                                for r, n in enumerate(recv_R)))
         ok = all(p <= m for p, m in zip(peak_R, self.memory_R))
+        if ok and split_R[0] is not None and all(s.acts >= n for s, n in zip(split_R, recv_R)):
+            plain = replace(self, keep=None, by_row=False).measure(placement, assignment, training)
+            if plain.ok:  # every rank keeps everything: the call as uncapped
+                return plain
         bwd = None if all(b is None for b in bwd_R) else [int(n) if b is None else b for b, n in zip(bwd_R, recv_R)]
-        return Fit(placement, assignment, list(chunk_R), list(peak_R), ok, bwd, self.keep)
+        split = None if split_R[0] is None else list(split_R)
+        return Fit(placement, assignment, list(chunk_R), list(peak_R), ok, bwd, self.keep, split)
 
 
 def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,

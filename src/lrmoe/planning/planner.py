@@ -216,7 +216,8 @@ class LayerPlanner:
         fetch = self.spec.placement is PlacementKind.PER_CALL or replanned
         rounds_R = fit.chunk_rows_R if in_rounds(self.spec, fit.keep) else None
         return CallPlan(placement, counts_SE, forward_SE, fit.assignment, fit.chunk_rows_R, None, None, fetch, figures,
-                        fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R, rounds_R)
+                        fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R, rounds_R,
+                        fit.split_R if training else None)
 
     def plan_backward(self, plan: CallPlan) -> BackwardPlan:
         """The backward's part of a training call's plan (pure; :mod:`lrmoe.planning.backward_plan`)."""

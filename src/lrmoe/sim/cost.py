@@ -6,7 +6,8 @@ the CPU calibration (where the rates are fitted by least squares):
 - grouped GEMMs: a roofline, ``max(FLOPs / (peak·gemm_eff), operand bytes / (bw·mem_eff))``;
   forward ``6·R·D·F`` FLOPs for R rows (gate, up, down), backward ``12·R·D·F`` (dh, dW_down,
   dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (``call.recomputes``:
-  static-recompute, masked, and lrmoe unless its call kept x and the activations);
+  static-recompute, masked, and lrmoe unless its call kept x and the activations; a call kept
+  by the row, ``call.split_R``: its x-only rows, its gate/up rows recomputing silu and h);
   operand bytes are the weights (once per local copy, GEMM and chunk) plus the rows in and out;
 - elementwise and copy kernels: bytes / (bw·mem_eff) — SwiGLU and its backward, ‖h‖² (the
   selective systems, ``spec.selective``), the home-side gather of rows into send order and the
@@ -96,21 +97,28 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
     L = call.copies_R.astype(np.float64)
     T = float(call.tokens_per_rank)
     system = spec_of(call.system)
-    recompute = call.recomputes
+    # share of each rank's backward rows whose gate/up/h are recomputed (by the row: its x-only
+    # part; its gate/up part recomputes silu and h, two elementwise ops)
+    recompute, gate_up_rows = np.full_like(Rb, 1.0 if call.recomputes else 0.0), np.zeros_like(Rb)
+    if call.split_R is not None:
+        kept = np.array([[s.acts, s.gate_up] for s in call.split_R], np.float64).reshape(-1, 2)
+        gate_up_rows = np.minimum(kept[:, 1], Rb)
+        recompute = np.clip(Rb - kept.sum(1), 0, None) / np.maximum(Rb, 1)
+    recomputes = recompute > 0
     w_bytes = expert_param_bytes(D, F, s) * L  # one read of every local copy's weights
     groups = L if per_expert_gemm else np.ones_like(L)
     fwd_flops = 6 * Rf * D * F
-    bwd_flops = 12 * Rb * D * F + (4 * Rb * D * F if recompute else 0)
+    bwd_flops = 12 * Rb * D * F + 4 * Rb * D * F * recompute
     bwd_chunks = np.ones_like(L) if call.bwd_chunks_R is None else call.bwd_chunks_R.astype(np.float64)
     # every chunk (or round) reads its copies' weights again
     fwd_gemm_bytes = w_bytes * call.chunks_R + Rf * (3 * D + 3 * F) * s
-    bwd_gemm_bytes = (3 * w_bytes + (w_bytes * 2 / 3 if recompute else 0)) * bwd_chunks \
-        + Rb * (6 * D + 8 * F) * s + (Rb * (2 * D + 2 * F) * s if recompute else 0)
+    bwd_gemm_bytes = (3 * w_bytes + w_bytes * 2 / 3 * recomputes) * bwd_chunks \
+        + Rb * (6 * D + 8 * F) * s + Rb * (2 * D + 2 * F) * s * recompute
     h_sq = system.selective  # the forward also reduces h to ‖h‖² per row
     fwd_elem = Rf * 4 * F * s + (Rf * F * s if h_sq else 0) + call.home_pairs_R * 3 * D * s
-    bwd_elem = Rb * 8 * F * s + (Rb * 4 * F * s if recompute else 0) + call.home_bwd_pairs_R * 3 * D * s
+    bwd_elem = Rb * 8 * F * s + (Rb * recompute + gate_up_rows) * 4 * F * s + call.home_bwd_pairs_R * 3 * D * s
     if call.keep is not None and not call.resends_x:  # kept rows gathered out of the saved x (and activations)
-        bwd_elem = bwd_elem + np.where(Rb < Rf, 2 * Rb * (D + (0 if recompute else 4 * F)) * s, 0)
+        bwd_elem = bwd_elem + np.where(Rb < Rf, 2 * Rb * (D + np.where(recomputes, 0, 4 * F)) * s, 0)
     if system.selects:
         sort = SORT_PASSES * SCORE_BYTES * T * K
         if call.score_in_forward:
@@ -118,7 +126,7 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
         else:
             bwd_elem = bwd_elem + sort
     fwd_launch = (FWD_GEMMS * groups + (FWD_KERNELS - FWD_GEMMS)) * call.chunks_R
-    bwd_launch = ((BWD_GEMMS + (RECOMPUTE_GEMMS if recompute else 0)) * groups + (BWD_KERNELS - BWD_GEMMS)) * bwd_chunks
+    bwd_launch = ((BWD_GEMMS + RECOMPUTE_GEMMS * recomputes) * groups + (BWD_KERNELS - BWD_GEMMS)) * bwd_chunks
     return {
         "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "fwd_gemm_bytes": fwd_gemm_bytes,
         "bwd_gemm_bytes": bwd_gemm_bytes, "fwd_elem_bytes": fwd_elem, "bwd_elem_bytes": bwd_elem,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lrmoe.config import LOCAL_SELECTIONS, BackwardConfig, ClusterBudget, MoEConfig
-from lrmoe.memory import KEEP_NOTHING, RankWork, expert_side_peak, kept_to_backward
+from lrmoe.memory import KEEP_NOTHING, RankWork, RowSplit, expert_side_peak, kept_to_backward
 from lrmoe.planning.planner import LayerPlanner
 from lrmoe.selection.strata import largest_remainder
 from lrmoe.sim.errors import SimError
@@ -80,6 +80,7 @@ class LayerCall:
     deferred_planner_calls: dict = field(default_factory=dict)  # the calls of that plan
     bwd_chunks_R: np.ndarray | None = None  # backward chunks per rank (None: computed at once)
     rounds: int = 1  # an exact call keeping nothing under a cap: every row exchange runs this many rounds
+    split_R: list[RowSplit] | None = None  # a capped exact call keeping by the row: each rank's parts
 
 
 @dataclass
@@ -162,6 +163,7 @@ class SystemPlanner:
             peak_R=np.zeros(W, np.int64), kept_bytes_R=np.zeros(W, np.int64),
             tokens_per_rank=int(counts_SE.sum()) // cfg.top_k // W, keep=keep,
             recomputes=not kept_to_backward(spec, keep, chunked=False).acts, resends_x=keep == KEEP_NOTHING,
+            split_R=plan.split_R,
             count_gather=spec.selective and not local, positions=local and keep not in (None, KEEP_NOTHING),
         )
         chunk_R = _chunks(fwd_SR.sum(0), plan.rounds_R)
@@ -197,10 +199,12 @@ class SystemPlanner:
         peak_R = np.array([
             expert_side_peak(spec, cfg.dim, cfg.ffn_dim, s, RankWork(
                 int(recv_R[r]), int(call.bwd_SR[:, r].sum()), int(call.copies_R[r]), int(call.owned_R[r]),
-                chunk_rows[r], W, replicas_anywhere, keep=call.keep, bwd_chunk_rows=bwd_chunks[r]))
+                chunk_rows[r], W, replicas_anywhere, keep=call.keep, bwd_chunk_rows=bwd_chunks[r],
+                split=None if call.split_R is None else call.split_R[r]))
             for r in range(W)])
         kept_bytes_R = np.array([kept_between_passes(spec, cfg.dim, cfg.ffn_dim, s, int(recv_R[r]), call.keep,
-                                                     chunk_rows[r] is not None and chunk_rows[r] < recv_R[r])
+                                                     chunk_rows[r] is not None and chunk_rows[r] < recv_R[r],
+                                                     None if call.split_R is None else call.split_R[r])
                                  for r in range(W)])
         return {"peak_R": peak_R, "kept_bytes_R": kept_bytes_R}
 

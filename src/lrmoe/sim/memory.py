@@ -14,20 +14,23 @@ scale, where building the tensors is impossible; this module adds what a whole s
 
 from __future__ import annotations
 
-from lrmoe.memory import H_SQ_BYTES, ByteModel, RankWork, expert_side_peak, kept_to_backward
+from lrmoe.memory import H_SQ_BYTES, ByteModel, RankWork, RowSplit, expert_side_peak, kept_to_backward
 from lrmoe.systems import SystemSpec, spec_of
 
 __all__ = ["RankWork", "expert_side_peak", "home_bytes", "kept_between_passes"]
 
 
 def kept_between_passes(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_bytes: int, fwd_rows: int,
-                        keep: str | None = None, chunked: bool = False) -> int:
+                        keep: str | None = None, chunked: bool = False, split: RowSplit | None = None) -> int:
     """Bytes the expert side keeps from a layer's forward to its backward: held for every MoE
     layer at once when the backward starts (what makes ``static`` run out of memory). A
     compacting backward keeps what its call's ``keep`` mode says (nothing, x, or x and the
-    activations); activations are never kept from a chunked forward."""
+    activations); activations are never kept from a chunked forward; a call keeping by the row
+    keeps x, its activations part's four (row, F) activations and its gate/up part's two."""
     spec = spec_of(system)
     bm = ByteModel(dim, ffn_dim, dtype_bytes, spec.selective)
+    if split is not None:
+        return fwd_rows * bm.row + (4 * split.acts + 2 * split.gate_up) * ffn_dim * dtype_bytes
     kept = kept_to_backward(spec, keep, chunked)
     return fwd_rows * ((bm.row if kept.rows else 0) + (bm.fwd_compute if kept.acts else 0))
 
