@@ -197,6 +197,44 @@ def test_exact_system_refused_only_below_its_experts_and_a_one_row_round(pool):
     assert "lrmoe" in msg, "the message names the system that trims"
 
 
+def lrmoe_norms_case(group, fraction: float):
+    """lrmoe's ‖h‖² per pair (the LRM score's expert-side factor) from a forward under a cap of
+    ``fraction`` × static's peak, and from an uncapped one on the same input."""
+    import lrmoe.passes.forward as forward
+
+    cfg = MoEConfig(**CFG)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, _ = skewed_tokens(cfg, N, SEED, "hot")
+    lo, hi = rank * N // world, (rank + 1) * N // world
+    cap = cap_case(group, "static", 1.0)[1]  # static's largest peak
+    outputs, seen = forward.outputs, []
+    forward.outputs = lambda *a: seen.append(outputs(*a)[2]) or outputs(*a)
+    try:
+        for budget in (ClusterBudget(memory_bytes=int(fraction * cap)), None):
+            layer = MoELayer(cfg, system="lrmoe", group=group, budget=budget)
+            layer.load_full_state_dict(sd)
+            layer(x[lo:hi].clone().requires_grad_(True))
+            seen.append(layer.last_stats.get("exchange_rounds"))
+    finally:
+        forward.outputs = outputs
+    return seen
+
+
+# lrmoe's complete forward holds x and y of every received row at once; below that it moves its
+# rows in rounds as the exact systems do, ‖h‖² coming home beside y, and its backward re-sends
+# the kept pairs' x (keep mode "nothing"): within the cap, where it stopped with an oom before.
+@pytest.mark.parametrize("world", [2, 4])
+def test_lrmoe_fits_in_rounds_where_the_exact_systems_do(pool, world):
+    res = pool.run(world, cap_case, "lrmoe", ROUNDS_FRACTION[world])
+    assert _check(res, "lrmoe") == "ok", res[0][2]
+    hot = max(range(world), key=lambda r: max(rec.get("recv_rows") or 0 for rec in res[r][2]))
+    train = [rec for rec in res[hot][2] if rec.get("keep_mode")]
+    assert all(rec["keep_mode"] == "nothing" and rec["exchange_rounds"] > 1 for rec in train), train
+    for capped, rounds, uncapped, whole in pool.run(world, lrmoe_norms_case, ROUNDS_FRACTION[world]):
+        assert rounds > 1 and whole is None
+        close("‖h‖² in rounds", capped, uncapped)
+
+
 def test_laer_assembles_fewer_experts_within_the_cap(pool):
     res = pool.run(4, cap_case, "laer", 0.85)
     assert _check(res, "laer") == "ok"

@@ -13,27 +13,28 @@ from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.train.compare import summarise
 from tests.helpers.train import records, train_case
 
-# Under this cap the tiny model trains, but an evaluation (its routing on the replicas chosen for
-# the last training call) does not fit the cap whole: it raised MemoryBudgetExceeded out of
-# ``evaluate`` on both ranks before evaluations were split.
+# Under this cap the tiny model trains; an evaluation (its routing on the replicas chosen for the
+# last training call) once did not fit it whole, and now moves its rows in rounds instead: the
+# whole evaluation call is refused by the test to see it run in smaller calls.
 CAP = 140_000
 EVAL_DOES_NOT_FIT = {"system": "lrmoe", "steps": 6, "eval_every": 3, "seed": 0, "budget": {"memory_bytes": CAP},
                      "backward": {"selection": "local-sampled", "ratio": 0.5}}
 FORCED = "forced by the test"
+WHOLE_EVAL_PAIRS = 2 * 4 * 32 * 2  # ranks × sequences × tokens × top_k
 
 
 def _planned(group, kw: dict, out: str, refuse=None, max_steps=None, resume=False):
     """``train_case`` with every layer plan watched: returns (the summary, the pairs of each call
     whose plan raised MemoryBudgetExceeded, with whether it was a training call). ``refuse(planner,
     training)`` true: that plan raises, as a plan that does not fit does (after the count
-    exchange, before any row moves)."""
+    exchange, before any row moves; ``pairs``: the call's)."""
     from lrmoe.planning.planner import LayerPlanner
 
     original, refused = LayerPlanner.plan_forward, []
 
     def plan_forward(self, counts_SE, forward_SE=None, training=True):
         try:
-            if refuse is not None and refuse(self, training):
+            if refuse is not None and refuse(self, training, int(counts_SE.sum())):
                 raise MemoryBudgetExceeded(self.rank, 10**9, 1, FORCED, "this call")
             return original(self, counts_SE, forward_SE, training)
         except MemoryBudgetExceeded:
@@ -47,8 +48,12 @@ def _planned(group, kw: dict, out: str, refuse=None, max_steps=None, resume=Fals
         LayerPlanner.plan_forward = original
 
 
+def _whole_evaluation_refused(planner, training: bool, pairs: int) -> bool:
+    return not training and pairs >= WHOLE_EVAL_PAIRS
+
+
 def test_evaluation_that_does_not_fit_whole_runs_in_smaller_calls(pool2, tmp_path):
-    res = pool2.run(2, _planned, EVAL_DOES_NOT_FIT, str(tmp_path))
+    res = pool2.run(2, _planned, EVAL_DOES_NOT_FIT, str(tmp_path), _whole_evaluation_refused)
     for summary, refused in res:
         assert summary["status"] == "done" and summary["steps"] == 6
         assert any(not training for _, training in refused), "an evaluation call did not fit whole"
@@ -58,14 +63,14 @@ def test_evaluation_that_does_not_fit_whole_runs_in_smaller_calls(pool2, tmp_pat
     assert all(r["peak_expert_side_bytes"] <= CAP for r in rows)
 
 
-def _eval_refused_from_step_4(planner, training: bool) -> bool:
+def _eval_refused_from_step_4(planner, training: bool, pairs: int) -> bool:
     return not training and planner.steps >= 4
 
 
 def test_evaluation_out_of_memory_is_recorded_at_its_step(pool2, tmp_path):
     kw = {"system": "lrmoe", "steps": 6, "eval_every": 2, "budget": {"memory_bytes": 300_000}}
     res = pool2.run(2, _planned, kw, str(tmp_path), _eval_refused_from_step_4)
-    pairs = 2 * 4 * 32 * 2  # ranks × sequences × tokens × top_k
+    pairs = WHOLE_EVAL_PAIRS
     for summary, refused in res:
         assert summary["status"] == "oom" and summary["oom_step"] == 4 and summary["oom_during"] == "evaluation"
         assert FORCED in summary["oom"] and summary["steps"] == 4
@@ -82,7 +87,7 @@ def test_evaluation_out_of_memory_is_recorded_at_its_step(pool2, tmp_path):
     assert result["final_val_loss"] == rows[1]["val_loss"]
 
 
-def _rank_1_refused_at_step_3(planner, training: bool) -> bool:
+def _rank_1_refused_at_step_3(planner, training: bool, pairs: int) -> bool:
     import torch.distributed as dist
 
     return training and planner.steps == 2 and dist.get_rank() == 1

@@ -101,9 +101,10 @@ class ByteModel:
 
     def round_forward(self, rows: int) -> int:
         """One forward round of an exchange in rounds (:mod:`lrmoe.parallel.rounds`) bringing
-        ``rows`` rows: x as received and sorted by slot, then x sorted, y and the four
-        activations (the larger); y's sorted-back copy beside y is smaller still."""
-        return rows * (2 * self.row + self.fwd_compute)
+        ``rows`` rows: x as received and sorted by slot, then x sorted, y (with ‖h‖² beside it
+        for a selective system) and the four activations (the larger); y's sorted-back copy
+        beside y is smaller still."""
+        return rows * (2 * self.row + self.fwd_compute + (H_SQ_BYTES if self.selective else 0))
 
     def round_backward(self, rows: int) -> int:
         """One backward round: x and dy received (one message) and their slot-sorted copies, then

@@ -63,6 +63,8 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
         def keep_of(q_E: torch.Tensor) -> str:
+            if plan.rounds_R is not None:  # the forward's rows went in rounds: nothing was kept
+                return KEEP_NOTHING
             return planner.keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
 
         if cfg.objective == "time":

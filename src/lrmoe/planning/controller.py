@@ -6,7 +6,8 @@ the layer's expert side and dtype size s:
 - an expert slot (a copy's parameters plus its gradient buffer) costs ``2·3·D·F·s``;
 - the complete forward holds every received row's x and y (``2·D·s`` per row, plus 8 bytes of
   ‖h‖² for the selective systems) and, per row being computed, gate, up, silu(gate) and h
-  (``4·F·s``): where all rows do not fit, they are computed in chunks that do;
+  (``4·F·s``): where all rows do not fit, they are computed in chunks that do; where not even
+  x and y of every row fit, the forward's rows move in rounds (nothing kept to the backward);
 - a kept backward row holds dy, x and the recomputed gate, up, silu, h: ``(2·D + 4·F)·s``;
 - with replicas, their gradients travel to owners through a buffer of one copy's parameters
   per replica, and the owned weights are copied once more into the concatenated slot weights.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +36,16 @@ from lrmoe.memory.bytes import ByteModel
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quotas import max_min_quotas
+
+
+class ForwardFit(NamedTuple):
+    """The controller's forward within the budget: where each pair is computed, rows computed at
+    once per rank, and whether every exchange runs in rounds of those rows (nothing kept)."""
+
+    assignment: PairAssignment
+    chunks: list[int]
+    rounds: bool = False
+
 
 # Share of the memory left after owned experts that replicas may take at most: the ceiling of
 # the cost search that chooses lrmoe's replicas every step (lrmoe.planning.replica_search).
@@ -102,26 +114,45 @@ class Controller:
         return int(max(room, 0) // self.costs.fwd_io)
 
     def fit_forward(self, forward_SE: torch.Tensor, placement: Placement, assignment: PairAssignment,
-                    assign: Callable[[torch.Tensor, Placement, list[int]], PairAssignment]
-                    ) -> tuple[PairAssignment, list[int]]:
+                    assign: Callable[[torch.Tensor, Placement, list[int]], PairAssignment]) -> ForwardFit:
         """The forward within the budget: :meth:`forward_chunk_rows` for every rank, on
         ``assignment``, or, where that leaves a rank no room to compute, on a min-peak one within
-        each rank's :meth:`forward_rows_capacity` (``assign``: the system's rule with capacities).
-        Every rank checks every rank, so all raise together."""
+        each rank's :meth:`forward_rows_capacity` (``assign``: the system's rule with capacities),
+        or, where not even that fits, ``assignment`` with every exchange in rounds
+        (:meth:`forward_rounds`). Every rank checks every rank, so all raise together."""
         def chunks(a: PairAssignment) -> list[int]:
             return [self.forward_chunk_rows(placement, r, n) for r, n in enumerate(a.rows_R())]
 
         try:
-            return assignment, chunks(assignment)
+            return ForwardFit(assignment, chunks(assignment))
         except MemoryBudgetExceeded as err:
-            if placement.owners_only:
-                raise
-            room_R = [self.forward_rows_capacity(placement, r) for r in range(self.world)]
             try:
-                bounded = assign(forward_SE, placement, room_R)
-            except ValueError:
-                raise err from None
-            return bounded, chunks(bounded)
+                if placement.owners_only:
+                    raise
+                room_R = [self.forward_rows_capacity(placement, r) for r in range(self.world)]
+                try:
+                    bounded = assign(forward_SE, placement, room_R)
+                except ValueError:
+                    raise err from None
+                return ForwardFit(bounded, chunks(bounded))
+            except MemoryBudgetExceeded:
+                return ForwardFit(assignment, self.forward_rounds(placement, assignment, err), rounds=True)
+
+    def forward_rounds(self, placement: Placement, assignment: PairAssignment, err: MemoryBudgetExceeded
+                       ) -> list[int]:
+        """Rows a round brings each rank where the complete forward moves its rows in rounds
+        (:mod:`lrmoe.parallel.rounds`): x received, y, ‖h‖² and one round's activations beside
+        the slots, nothing kept to the backward, so a rank holds one round's rows at a time
+        (:meth:`~lrmoe.memory.bytes.ByteModel.round_forward`), the same bound as an exact call in
+        rounds. Raises ``err`` where not even a round of one row fits."""
+        rounds = []
+        for r, rows in enumerate(assignment.rows_R()):
+            room = self.memory_R[r] - self._slot_bytes(placement, r)
+            chunk = room // self.costs.round_forward(1)
+            if rows and chunk < 1:
+                raise err
+            rounds.append(int(max(min(chunk, rows), 1)))
+        return rounds
 
     # ------------------------------------------------------------------ backward
     def network_for(self, pairs: int | None) -> list[int] | None:
@@ -180,4 +211,4 @@ def keeps_every_pair(counts_E: torch.Tensor, rows: PairAssignment, cap_R: list[i
     return all(n <= c for n, c in zip(rows.rows_R(), cap_R))
 
 
-__all__ = ["Controller", "REPLICA_MEMORY_SHARE", "keeps_every_pair", "max_min_quotas"]
+__all__ = ["Controller", "ForwardFit", "REPLICA_MEMORY_SHARE", "keeps_every_pair", "max_min_quotas"]

@@ -40,6 +40,7 @@ class Fit:
     bwd_chunk_rows_R: list[int] | None = None  # backward rows each rank recomputes at once (None: all)
     keep: str | None = None  # what the expert side keeps (None: what the system keeps)
     split_R: list[RowSplit] | None = None  # a training call keeping by the row: each rank's parts
+    rounds: bool = False  # lrmoe's forward moves its rows in rounds (its controller's last resort)
 
 
 @dataclass(frozen=True)

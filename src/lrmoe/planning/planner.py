@@ -145,9 +145,9 @@ class LayerPlanner:
         :class:`MemoryBudgetExceeded` where no re-plan fits (``failed``: the plans tried before)."""
         if self.controller is not None:
             self._adopt(self._search_replicas(in_call=True))
-            assignment, chunks = self.controller.fit_forward(
-                forward_SE, self.placement, self.assign(forward_SE, self.placement), self.assign)
-            return Fit(self.placement, assignment, chunks, None, True)
+            forward = self.controller.fit_forward(forward_SE, self.placement, self.assign(forward_SE, self.placement),
+                                                  self.assign)
+            return Fit(self.placement, forward.assignment, forward.chunks, None, True, rounds=forward.rounds)
         found = fitter.search_slots(self._step_placement, self.default_slots_R, forward_SE, True)
         if found.fit is None:
             raise fitter.exceeded(failed + found.failed)
@@ -214,7 +214,7 @@ class LayerPlanner:
         capped = cap_figures(fit, self.memory_R, self.rank, training and not self.spec.compacts)
         figures = replace(figures, replica_slots=len(placement.slots[self.rank]), **capped)
         fetch = self.spec.placement is PlacementKind.PER_CALL or replanned
-        rounds_R = fit.chunk_rows_R if in_rounds(self.spec, fit.keep) else None
+        rounds_R = fit.chunk_rows_R if fit.rounds or in_rounds(self.spec, fit.keep) else None
         return CallPlan(placement, counts_SE, forward_SE, fit.assignment, fit.chunk_rows_R, None, None, fetch, figures,
                         fit.peak_R, keep, self.spec.assignment, self.node_of, fit.bwd_chunk_rows_R, rounds_R,
                         fit.split_R if training else None)
@@ -253,8 +253,8 @@ class LayerPlanner:
     def _free_call(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor, training: bool
                    ) -> tuple[Fit, PlanFigures, bool]:
         """A call no cap fitting bounds: per-call systems place it from its own counts; lrmoe's
-        controller chunks its forward within the budget (re-planning replicas inside a training
-        call whose forward does not fit)."""
+        controller chunks its forward within the budget, or moves its rows in rounds (re-planning
+        replicas inside a training call whose forward does not fit, or fits only in rounds)."""
         figures = PlanFigures()
         if self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED):
             self.placement, figures = self.strategy.place_call(counts_SE, self.slots_R)
@@ -262,12 +262,16 @@ class LayerPlanner:
         if self.controller is None:
             return Fit(self.placement, assignment, None, None, True), figures, False
         try:
-            assignment, chunks = self.controller.fit_forward(forward_SE, self.placement, assignment, self.assign)
+            forward = self.controller.fit_forward(forward_SE, self.placement, assignment, self.assign)
         except MemoryBudgetExceeded:
             if not self._may_replan_in_call(training):
                 raise
             return self._replan_in_call(forward_SE, []), figures, True
-        return Fit(self.placement, assignment, chunks, None, True), figures, False
+        replicas = self.placement.num_copies > self.config.num_experts
+        if forward.rounds and replicas and self._may_replan_in_call(training):  # no replica is worth rounds
+            return self._replan_in_call(forward_SE, []), figures, True
+        fit = Fit(self.placement, forward.assignment, forward.chunks, None, True, rounds=forward.rounds)
+        return fit, figures, False
 
     def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
                    quota_E: torch.Tensor) -> str:

@@ -106,17 +106,21 @@ class ReplicaCountSearch:
         return (fwd_rows + 2 * bwd_rows) * row_s / 3 + replicas * 2 * self.slot_param_bytes * byte_s
 
     def score(self, placement: Placement, counts_SE: torch.Tensor, k: int) -> _Scored | None:
-        """Plan k scored, or None where its forward does not fit. Its forward assignment is the
+        """Plan k scored, or None where its forward does not fit (or, with replicas, only in
+        rounds). Its forward assignment is the
         quota solve's certificate where every rank's rows fit its kept capacity."""
+        replicas = placement.num_copies - self.base.num_experts
         try:
-            assignment, _ = self.controller.fit_forward(counts_SE, placement, self.assign(counts_SE, placement, None),
-                                                        self.assign)
+            forward = self.controller.fit_forward(counts_SE, placement, self.assign(counts_SE, placement, None),
+                                                  self.assign)
+            if forward.rounds and replicas:  # no replica is worth moving the forward's rows in rounds
+                return None
+            assignment = forward.assignment
             quota_E = self.controller.quotas(counts_SE.sum(0), placement, rows=assignment)
         except MemoryBudgetExceeded:
             return None
         rows_ER = assignment.rows_ER()
         fwd, bwd = rows_ER.sum(0).max(), torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).max()
-        replicas = placement.num_copies - self.base.num_experts
         return _Scored(int(quota_E.sum()), self.time(int(fwd), int(bwd), replicas), replicas, placement, k)
 
     @staticmethod
