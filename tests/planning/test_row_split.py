@@ -78,7 +78,7 @@ def test_ranks_split_independently_and_keep_more_than_the_whole_call_did():
     recv_R = [int(n) for n in assignment.rows_R()]
     plain = RankPeaks(spec_of("static"), CFG, world, [1 << 40] * world)
     need = [plain.peak(plain.work(placement, r, n, True)) for r, n in enumerate(recv_R)]
-    cap = (need[0] + need[1]) // 2  # the cold rank fits whole, the hot one does not
+    cap = need[1] + 3 * (need[0] - need[1]) // 4  # the cold rank fits whole, the hot one does not
     assert need[1] <= cap < need[0]
     fit = _peaks("static", world, cap).measure(placement, assignment, True)
     assert fit.ok and fit.keep == KEEP_X

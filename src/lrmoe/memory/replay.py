@@ -156,7 +156,7 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
 
 
 def _by_the_row(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork) -> None:
-    """A training call keeping by the row (:mod:`lrmoe.passes.split`): x received, y and ‖h‖²
+    """A training call keeping by the row (:mod:`lrmoe.passes.by_row`): x received, y and ‖h‖²
     held; the activations' rows computed at once and held, the gate/up rows' products held with
     silu and h a forward chunk at a time, the x-only rows a chunk at a time; y and ‖h‖² home.
     The backward reads dy in its received order (no slot-major copy), each part a backward chunk

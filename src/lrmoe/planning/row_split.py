@@ -19,9 +19,12 @@ from dataclasses import dataclass
 
 from lrmoe.memory.bytes import RowSplit
 
-# rows a chunk while the parts are chosen: small beside the kept rows, large enough for the GEMMs
-# of the recomputed ones; the chunks then grow to the largest that fits beside the chosen parts
-SEARCH_CHUNK = 128
+# Rows a chunk while the parts are chosen; the chunks then grow to the largest that fits beside
+# the chosen parts. On configs/paper.toml's hot rank under 0.65x of static's peak, the backward
+# took 110 / 100 / 100 / 107 ms at 128 / 512 / 1024 / 2048 (plain, uncapped: 85): small chunks
+# cost more in per-chunk work than the rows they let keep save in recompute, large ones keep too
+# few rows (benchmarks/bench_capped.py's shape, 2 ranks, CPU).
+SEARCH_CHUNK = 512
 
 PeakOf = Callable[[RowSplit, int, int], int]  # (split, forward chunk, backward chunk) -> peak bytes
 
