@@ -159,9 +159,9 @@ def test_glm45_preset_trains_with_bias_updates(pool2, tmp_path):
 def test_memory_cap_oom_recorded(pool2, tmp_path):
     """Under a cap static cannot fit even in one-row rounds beside its experts, its run stops
     cleanly at step 1 as ``oom`` (summary, metrics, compare's results and report); lrmoe under a
-    cap static fits only by recomputing trains within it, by trimming. (lrmoe's complete
-    forward, x and y of every row, needs more than static's rounds, so no cap refuses static and
-    admits lrmoe.)"""
+    cap static fits only by recomputing trains within it, by trimming. (lrmoe's forward in
+    rounds needs 8 bytes a row more than static's, its ‖h‖², so no cap refuses static and admits
+    lrmoe.)"""
     from lrmoe.train.compare import summarise
     from lrmoe.train.report import report
 
@@ -186,11 +186,13 @@ def test_memory_cap_oom_recorded(pool2, tmp_path):
 
 
 def test_capped_exact_system_records_its_keep_mode_and_chunks(pool2, tmp_path):
-    """static under a cap below its peak trains by keeping x alone and chunking: every record
-    says so (``keep_modes`` per layer, the fewest rows computed at once), within the cap."""
+    """static under a cap below its peak trains by keeping by the row and chunking: every record
+    says so (``keep_modes`` per layer, the fewest rows computed at once, the shares of its rows
+    that kept activations, gate/up and x alone), within the cap."""
     pool2.run(2, train_case, {"system": "static", "steps": 2}, str(tmp_path / "free"))
     free = [json.loads(line) for line in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["keep_modes"] == ["x+acts"] * len(r["keep_modes"]) and "fwd_chunk_rows" not in r for r in free)
+    assert all(r["keep_modes"] == ["x+acts"] * len(r["keep_modes"]) and "fwd_chunk_rows" not in r
+               and "kept_parts" not in r for r in free)
     cap = int(0.45 * max(r["peak_expert_side_bytes"] for r in free))
     summary = pool2.run(2, train_case, {"system": "static", "steps": 2, "budget": {"memory_bytes": cap}},
                         str(tmp_path / "capped"))
@@ -198,3 +200,5 @@ def test_capped_exact_system_records_its_keep_mode_and_chunks(pool2, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "capped" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["peak_expert_side_bytes"] <= cap and "x" in r["keep_modes"] for r in rows), rows
     assert all(min(r["bwd_chunk_rows"], r["fwd_chunk_rows"]) >= 1 for r in rows)
+    assert all(len(r["kept_parts"]) == 3 and abs(sum(r["kept_parts"]) - 1) < 1e-9 and r["kept_parts"][2] < 1
+               for r in rows), "some rows kept more than x"

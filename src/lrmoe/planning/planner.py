@@ -267,8 +267,7 @@ class LayerPlanner:
             if not self._may_replan_in_call(training):
                 raise
             return self._replan_in_call(forward_SE, []), figures, True
-        replicas = self.placement.num_copies > self.config.num_experts
-        if forward.rounds and replicas and self._may_replan_in_call(training):  # no replica is worth rounds
+        if forward.rounds and not self.placement.owners_only and self._may_replan_in_call(training):
             return self._replan_in_call(forward_SE, []), figures, True
         fit = Fit(self.placement, forward.assignment, forward.chunks, None, True, rounds=forward.rounds)
         return fit, figures, False

@@ -28,6 +28,7 @@
 | ``replica_slots`` | expert copies held per rank, mean over layers and ranks |
 | ``keep_modes`` | per MoE layer: what its expert side kept to the backward (``x+acts``, ``x``, ``nothing``) |
 | ``fwd_chunk_rows``, ``bwd_chunk_rows`` | under a cap: fewest rows computed at once, min over layers and ranks |
+| ``kept_parts`` | kept by the row: shares of received rows keeping activations, gate/up, x alone |
 
 ``summary.json`` (rank 0, at the end): ``steps`` run, ``val`` (one ``{"step", "loss",
 "moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``train_wall_s``, ``unigram_loss`` (the corpus's
@@ -70,7 +71,7 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
                       dtype=torch.float64)
     all_reduce(mx, groups.world_group, dist.ReduceOp.MAX)
     all_reduce(sm, groups.world_group)
-    chunks = _fewest_rows_at_once(stats, groups)
+    chunks = {**_fewest_rows_at_once(stats, groups), **_kept_parts(stats, groups)}
     counts = torch.stack([s["counts_E"].to(torch.float64) for s in stats]) if stats else torch.zeros(0, 1)
     kept = torch.stack([s["kept_E"].to(torch.float64) for s in stats]) if stats else torch.zeros(0, 1)
     both = torch.stack([counts, kept]) if stats else torch.zeros(2, 0, 1)
@@ -102,6 +103,20 @@ def _fewest_rows_at_once(stats: list[dict], groups: Groups) -> dict:
     fewest = torch.tensor([min((s[k] for s in stats if k in s), default=none) for k in keys], dtype=torch.float64)
     all_reduce(fewest, groups.world_group, dist.ReduceOp.MIN)
     return {k: int(v) for k, v in zip(keys, fewest.tolist())}
+
+
+def _kept_parts(stats: list[dict], groups: Groups) -> dict:
+    """``kept_parts``: of the rows received by calls that kept by the row, the shares that kept
+    x and the activations, x and gate/up, x alone, all layers and ranks (collective where such a
+    call ran: capped exact calls run it on every rank alike)."""
+    split = [s for s in stats if s.get("kept_acts_rows") is not None]
+    if not split:
+        return {}
+    rows = torch.tensor([[s["kept_acts_rows"], s["kept_gate_up_rows"], s["recv_rows"]] for s in split],
+                        dtype=torch.float64).sum(0)
+    acts, gate_up, total = all_reduce(rows, groups.world_group).tolist()
+    total = max(total, 1.0)
+    return {"kept_parts": [acts / total, gate_up / total, (total - acts - gate_up) / total]}
 
 
 def read_metrics(folder: Path) -> list[dict]:
