@@ -126,17 +126,15 @@ class Controller:
         try:
             return ForwardFit(assignment, chunks(assignment))
         except MemoryBudgetExceeded as err:
+            whole = err
+        if not placement.owners_only:
+            room_R = [self.forward_rows_capacity(placement, r) for r in range(self.world)]
             try:
-                if placement.owners_only:
-                    raise
-                room_R = [self.forward_rows_capacity(placement, r) for r in range(self.world)]
-                try:
-                    bounded = assign(forward_SE, placement, room_R)
-                except ValueError:
-                    raise err from None
+                bounded = assign(forward_SE, placement, room_R)
                 return ForwardFit(bounded, chunks(bounded))
-            except MemoryBudgetExceeded:
-                return ForwardFit(assignment, self.forward_rounds(placement, assignment, err), rounds=True)
+            except (ValueError, MemoryBudgetExceeded):  # the copies cannot hold the rows within the rooms
+                pass
+        return ForwardFit(assignment, self.forward_rounds(placement, assignment, whole), rounds=True)
 
     def forward_rounds(self, placement: Placement, assignment: PairAssignment, err: MemoryBudgetExceeded
                        ) -> list[int]:
