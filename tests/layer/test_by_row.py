@@ -14,10 +14,10 @@ import pytest
 
 from lrmoe import MoEConfig, MoELayer
 from lrmoe.memory.bytes import KEEP_X, RowSplit
-from lrmoe.memory.replay import RankWork, expert_side_peak
 from lrmoe.parallel import comm
+from lrmoe.planning.peaks import RankPeaks
 from lrmoe.planning.planner import LayerPlanner
-from lrmoe.systems import PlacementKind, spec_of
+from lrmoe.systems import spec_of
 from tests.helpers.layer import QWEN, close, make_problem, split_tokens
 from tests.oracles.dense_moe import reference_grads
 
@@ -60,14 +60,9 @@ def forced_split_case(group, system: str, seed: int, shift: int):
     for name, want in ref_grads.items():
         close(f"grad {name}", grads[name], want)
     stats, plan = layer.last_stats, plans[-1]
-    spec = spec_of(system)
-    sharded = spec.placement is PlacementKind.SHARDED
-    E = cfg.num_experts
-    owned = 0 if sharded else len(plan.placement.owned(rank))
-    work = RankWork(stats["recv_rows"], stats["recv_rows"], len(plan.placement.slots[rank]), owned,
-                    plan.chunk_rows_R[rank], world, sharded or plan.placement.num_copies > E, E if sharded else 0,
-                    True, KEEP_X, plan.bwd_chunk_rows_R[rank], plan.split_R[rank])
-    predicted = expert_side_peak(system, cfg.dim, cfg.ffn_dim, cfg.torch_dtype.itemsize, work)
+    peaks = RankPeaks(spec_of(system), cfg, world, [0] * world, keep=KEEP_X, by_row=True)
+    predicted = peaks.peak(peaks.work(plan.placement, rank, stats["recv_rows"], True, plan.chunk_rows_R[rank],
+                                      plan.bwd_chunk_rows_R[rank], plan.split_R[rank]))
     return plan.split_R[rank], stats["peak_expert_side_bytes"], predicted
 
 

@@ -17,7 +17,7 @@ import torch
 
 from lrmoe import experts
 from lrmoe.config import BackwardConfig
-from lrmoe.memory.bytes import kept_to_backward, nbytes
+from lrmoe.memory.bytes import RowSplit, kept_to_backward, nbytes
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel, WireCounter
@@ -167,21 +167,14 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
     h_sq_R = norms.extra if norms is not None else (
         torch.empty(R, dtype=torch.float64, device=rows_RD.device) if selective else None)
     split = None if call.plan.split_R is None else call.plan.split_R[call.layer.rank]
-    if split is not None:  # kept by the row: each part as its rank's cap allows
+    if split is not None or chunk < R:  # by the row, or x alone in chunks (nothing kept but x)
         y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
         meter.hold(y_RD, h_sq_R)
-        call.saved.by_row = forward_by_row(rows_RD, weights.gate_up, weights.down, rows.slot_counts, split, chunk,
-                                           y_RD, h_sq_R, meter)
+        kept = forward_by_row(rows_RD, weights.gate_up, weights.down, rows.slot_counts, split or RowSplit(0), chunk,
+                              y_RD, h_sq_R, meter)
+        if split is not None:  # (its backward goes part by part)
+            call.saved.by_row = kept
         acts = None
-    elif chunk < R:
-        y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
-        meter.hold(y_RD, h_sq_R)
-        for a, b, part_L in experts.chunk_spans(rows.slot_counts, chunk):
-            _, acts = experts.expert_forward(rows_RD[a:b], weights.gate_up, weights.down, part_L, y_out=y_RD[a:b])
-            if selective:
-                h_sq_R[a:b] = squared_norms(acts["h"])
-        acts = None
-        meter.reach(chunk * 4 * weights.ffn_dim * y_RD.element_size())
     else:  # (y allocated by the GEMM where it has no message: on CUDA the fused kernel's own output)
         y_RD, acts = experts.expert_forward(rows_RD, weights.gate_up, weights.down, rows.slot_counts,
                                             y_out=None if norms is None else norms.rows)

@@ -159,15 +159,17 @@ class RankPeaks:
         return lo
 
     def measure(self, placement: Placement, assignment: PairAssignment, training: bool) -> Fit:
-        """Every rank's chunks and peak under ``assignment``, and whether all fit."""
+        """Every rank's chunks and peak under ``assignment``, and whether all fit. By the row, a
+        call every rank can keep whole runs as uncapped (one replay a rank), the split searched
+        only where it cannot."""
+        if self.by_row and training:
+            plain = replace(self, keep=None, by_row=False).measure(placement, assignment, training)
+            if plain.ok:
+                return plain
         recv_R = assignment.rows_R()
         chunk_R, bwd_R, peak_R, split_R = zip(*(self.rank_fit(placement, r, int(n), training)
                                                 for r, n in enumerate(recv_R)))
         ok = all(p <= m for p, m in zip(peak_R, self.memory_R))
-        if ok and split_R[0] is not None and all(s.acts >= n for s, n in zip(split_R, recv_R)):
-            plain = replace(self, keep=None, by_row=False).measure(placement, assignment, training)
-            if plain.ok:  # every rank keeps everything: the call as uncapped
-                return plain
         bwd = None if all(b is None for b in bwd_R) else [int(n) if b is None else b for b, n in zip(bwd_R, recv_R)]
         split = None if split_R[0] is None else list(split_R)
         return Fit(placement, assignment, list(chunk_R), list(peak_R), ok, bwd, self.keep, split)
