@@ -31,6 +31,22 @@ def _split(pattern: int, rows: int) -> RowSplit:
     return [RowSplit(rows), RowSplit(third, third), RowSplit(0, rows // 2), RowSplit(0)][pattern % 4]
 
 
+def _forcing(plans: list, shift: int, **extra):
+    """``LayerPlanner.plan_forward`` with every rank's split forced (:func:`_split`), chunks that
+    cut through the parts, and ``extra`` fields; each plan appended to ``plans``."""
+    plan_forward = LayerPlanner.plan_forward
+
+    def forced(self, counts_SE, forward_SE=None, training=True):
+        plan = plan_forward(self, counts_SE, forward_SE, training)
+        rows_R = [int(n) for n in plan.assignment.rows_R()]
+        plans.append(replace(plan, split_R=[_split(r + shift, n) for r, n in enumerate(rows_R)],
+                             chunk_rows_R=[max(1, n // 4 + r) for r, n in enumerate(rows_R)],
+                             bwd_chunk_rows_R=[max(1, n // 5 + 1) for n in rows_R], **extra))
+        return plans[-1]
+
+    return forced
+
+
 def forced_split_case(group, system: str, seed: int, shift: int):
     cfg = MoEConfig(**QWEN)
     world, rank = comm.world_size(group), comm.rank_of(group)
@@ -38,16 +54,7 @@ def forced_split_case(group, system: str, seed: int, shift: int):
     sizes = split_tokens(48, world, None)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     plan_forward, plans = LayerPlanner.plan_forward, []
-
-    def forced(self, counts_SE, forward_SE=None, training=True):
-        plan = plan_forward(self, counts_SE, forward_SE, training)
-        rows_R = [int(n) for n in plan.assignment.rows_R()]
-        plans.append(replace(plan, keep=KEEP_X, split_R=[_split(r + shift, n) for r, n in enumerate(rows_R)],
-                             chunk_rows_R=[max(1, n // 4 + r) for r, n in enumerate(rows_R)],
-                             bwd_chunk_rows_R=[max(1, n // 5 + 1) for n in rows_R]))
-        return plans[-1]
-
-    LayerPlanner.plan_forward = forced
+    LayerPlanner.plan_forward = _forcing(plans, shift, keep=KEEP_X)
     try:
         layer = MoELayer(cfg, system=system, group=group)
         layer.load_full_state_dict(sd)
@@ -89,14 +96,7 @@ def lrmoe_split_case(group, selection: str, shift: int):
     sizes = split_tokens(48, world, None)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     plan_forward, plans = LayerPlanner.plan_forward, []
-
-    def forced(self, counts_SE, forward_SE=None, training=True):
-        plan = plan_forward(self, counts_SE, forward_SE, training)
-        rows_R = [int(n) for n in plan.assignment.rows_R()]
-        plans.append(replace(plan, split_R=[_split(r + shift, n) for r, n in enumerate(rows_R)],
-                             chunk_rows_R=[max(1, n // 4 + r) for r, n in enumerate(rows_R)],
-                             bwd_chunk_rows_R=[max(1, n // 5 + 1) for n in rows_R]))
-        return plans[-1]
+    forced = _forcing(plans, shift)
 
     def run(force: bool):
         layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(selection, ratio=0.6))
