@@ -173,19 +173,21 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> None:
     """``lrmoe compare``: the systems of the flag or the config, run by :func:`run_compare`, or
-    with ``--memory-caps`` at each cap by :func:`run_sweep`."""
+    with ``--memory-caps`` at each cap by :func:`run_sweep`, with ``--seeds`` once per seed
+    (:func:`run_seeds`; both: :func:`run_seed_sweeps`)."""
     from lrmoe.train.compare import run_compare
     from lrmoe.train.sweep import parse_caps, parse_seeds, run_seeds, run_sweep
+    from lrmoe.train.sweep_seeds import run_seed_sweeps
 
     caps = parse_caps(args.memory_caps) if args.memory_caps is not None else None
     cfg = _resolve(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else cfg.compare.seeds
-    if caps is not None and seeds:
-        raise ConfigError("--memory-caps with --seeds (or compare.seeds) is not supported: run one cap sweep per seed")
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
     out = Path(args.out or "runs/compare")
     check_out(out, args.resume, args.overwrite)
-    if seeds:
+    if seeds and caps is not None:
+        run_seed_sweeps(cfg, systems, caps, seeds, out, resume=args.resume)
+    elif seeds:
         run_seeds(cfg, systems, seeds, out, resume=args.resume)
     elif caps is None:
         run_compare(cfg, systems, out, resume=args.resume)

@@ -168,3 +168,31 @@ def test_seeds_run_every_system_per_seed(tmp_path, monkeypatch):
     assert "sample standard deviation" in report
     # the seeds' results.json keeps single-seed readers working (lrmoe simulate --compare)
     assert StepsToTarget.load(tmp_path / "results.json").systems["symi"] == 25
+
+
+def test_sweep_over_seeds_aggregates_each_cap_and_names_the_best_exact_system(tmp_path, monkeypatch):
+    from lrmoe.train.sweep_seeds import run_seed_sweeps
+
+    calls = []
+    monkeypatch.setattr(compare, "launch", fake_launch(calls))
+    monkeypatch.setattr(sweep, "launch", fake_launch(calls))
+    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
+    cfg = from_dict({"train": {"steps": 3}, "compare": {"target_fraction": 0.67, "budget_factor": 1.0}})
+    doc = run_seed_sweeps(cfg, ("static", "lrmoe"), ["0.5x", "2KB"], (0, 1), tmp_path)
+
+    assert sum(1 for c in calls if c[0] == "static-uncapped") == 2, "one reference a seed"
+    for s in (0, 1):
+        one = json.loads((tmp_path / f"seed-{s}" / "sweep.json").read_text())
+        assert one["systems"]["static"][1]["status"] == "reached" and one["systems"]["static"][0]["status"] == "oom"
+    assert doc["seeds"] == [0, 1] and [c["label"] for c in doc["caps"]] == ["0.5x", "2KB"]
+    assert [c["per_seed"] for c in doc["caps"]] == [[500, 500], [2000, 2000]]
+    static, lrmoe = doc["systems"]["static"], doc["systems"]["lrmoe"]
+    assert static[0]["status"] == "oom" and static[0]["seeds_run"] == 2 and static[0]["seeds_reached"] == 0
+    assert static[1]["status"] == "reached" and static[1]["steps_to_target_mean"] == 2
+    assert lrmoe[1]["moe_step_ratio"] == pytest.approx(1.0) and len(lrmoe[1]["moe_step_ratio_per_seed"]) == 2
+    assert doc["best_exact"] == [{"moe": None, "wall": None}, {"moe": "static", "wall": None}], \
+        "lrmoe is never the best exact system, an oom never the best (and these fake runs time no wall)"
+    assert json.loads((tmp_path / "sweep.json").read_text()) == doc
+    report = (tmp_path / "report.md").read_text()
+    assert "Best exact system: by MoE time static, by wall time -." in report
+    assert "| static | 0/2 (oom at 2) |" in report and (tmp_path / "sweep.png").stat().st_size > 0

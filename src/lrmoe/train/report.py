@@ -88,7 +88,7 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
     return text
 
 
-def _mean_range(r: dict, key: str, spec: str) -> str:
+def mean_range(r: dict, key: str, spec: str) -> str:
     """``mean [min–max]`` of ``key`` over the seeds that reached the target; ``never`` for none."""
     if r.get(f"{key}_mean") is None:
         return "never"
@@ -120,10 +120,10 @@ def seeds_report(out: Path, doc: dict) -> str:
             reached += f" (oom at step {r['oom_step']})"
         res = r.get("steps_to_target_resolution")
         lines.append(
-            f"| {name} | {reached} | {_mean_range(r, 'steps_to_target', '.1f')} | "
-            f"{std(r['steps_to_target_std'], '.1f')} | {_mean_range(r, 'moe_time_to_target_s', '.2f')} | "
-            f"{std(r['moe_time_to_target_s_std'], '.2f')} | {_mean_range(r, 'wall_time_to_target_s', '.2f')} | "
-            f"{std(r.get('wall_time_to_target_s_std'), '.2f')} | {_mean_range(r, 'steps_to_target_interp', '.1f')} | "
+            f"| {name} | {reached} | {mean_range(r, 'steps_to_target', '.1f')} | "
+            f"{std(r['steps_to_target_std'], '.1f')} | {mean_range(r, 'moe_time_to_target_s', '.2f')} | "
+            f"{std(r['moe_time_to_target_s_std'], '.2f')} | {mean_range(r, 'wall_time_to_target_s', '.2f')} | "
+            f"{std(r.get('wall_time_to_target_s_std'), '.2f')} | {mean_range(r, 'steps_to_target_interp', '.1f')} | "
             f"{'-' if res is None else format(res, 'g')} | {std(r.get('final_val_loss'), '.4f')} |")
     text = "\n".join([*lines, ""])
     (out / "report.md").write_text(text)
