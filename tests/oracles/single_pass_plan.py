@@ -40,10 +40,10 @@ def single_pass(planner: LayerPlanner, counts_SE: torch.Tensor) -> dict:
     if self.spec.compacts:
         network_R = self.controller.network_R if self.controller is not None else None
         keep = peak_model.keep_mode(self.peaks, placement, fit.assignment, fit.chunk_rows_R, quota_E, network_R,
-                                    self.backward.local, fit.split_R)
+                                    self.backward.local)
     else:
         keep = fit.keep
-    capped = cap_figures(fit, self.memory_R, self.rank, not self.spec.compacts or fit.split_R is not None)
+    capped = cap_figures(fit, self.memory_R, self.rank, not self.spec.compacts)
     figures = replace(figures, keep_mode=keep or spec_keep(self.spec), replica_slots=len(placement.slots[self.rank]),
                       **capped)
     strata = kept = None

@@ -159,10 +159,9 @@ def _by_the_row(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork
     """A training call keeping by the row (:mod:`lrmoe.passes.by_row`): x received, y and ‖h‖²
     held; the activations' rows computed at once and held, the gate/up rows' products held with
     silu and h a forward chunk at a time, the x-only rows a chunk at a time; y and ‖h‖² home.
-    An exact backward reads dy in its received order (no slot-major copy), each part a backward
-    chunk at a time (a chunk's dy rows gathered where the world regroups them; silu and h
-    recomputed for the gate/up rows, all four for the x-only rows); a compacting one
-    (:func:`_compacting_by_the_row`) works on its kept rows; then what the forward kept is freed."""
+    The backward reads dy in its received order (no slot-major copy), each part a backward chunk
+    at a time (a chunk's dy rows gathered where the world regroups them; silu and h recomputed
+    for the gate/up rows, all four for the x-only rows), then frees what the forward kept."""
     R, row, act = work.fwd_rows, bm.row, bm.ffn_dim * bm.dtype_bytes  # act: one (row, F) activation
     regroup = work.world > 1 and work.copies > 1
     rows = {kind: hi - lo for kind, lo, hi in work.split.spans(R)}
@@ -175,27 +174,12 @@ def _by_the_row(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork
     chunk = work.chunk_rows or R
     replay.reach(max(min(chunk, g) * 2 * act, min(chunk, rest) * 4 * act))
     replay.now -= R * row + h_sq  # y and ‖h‖² went home
-    if spec.compacts:
-        _compacting_by_the_row(replay, bm, work, regroup)
-    else:
-        replay.now += R * row  # dy
-        chunk, gather = work.bwd_chunk_rows or R, row if regroup else 0
-        replay.reach(max(min(chunk, n) * (per_row + gather)
-                         for n, per_row in ((a, 0), (g, 2 * act), (rest, 4 * act))))
+    replay.now += R * row  # dy
+    chunk, gather = work.bwd_chunk_rows or R, row if regroup else 0
+    replay.reach(max(min(chunk, n) * (per_row + gather) for n, per_row in ((a, 0), (g, 2 * act), (rest, 4 * act))))
     replay.now -= kept
     if work.replicas_anywhere:
         replay.hold((work.copies - work.owned) * bm.slot_params)
-
-
-def _compacting_by_the_row(replay: _Replay, bm: ByteModel, work: RankWork, regroup: bool) -> None:
-    """lrmoe's backward keeping by the row: dy of its kept rows received slot-major (``bwd_rows``:
-    a bound, every forward row where the split is planned before the quotas), then a backward
-    chunk at a time each kept row's x and saved part read through its index (gathered) beside
-    what is recomputed — x and four activations' worth a row whatever its part — and, where the
-    kept rows are not in the saved rows' order, its dy row gathered too (counted always: a bound)."""
-    Rb, row, act = work.bwd_rows, bm.row, bm.ffn_dim * bm.dtype_bytes
-    replay.receive(Rb, row, regroup)
-    replay.reach(min(work.bwd_chunk_rows or Rb, Rb) * (2 * row + 4 * act))
 
 
 def _largest_round(rows: int, chunk: int | None) -> int:

@@ -63,44 +63,25 @@ def forward_by_row(rows_RD: torch.Tensor, gate_up: experts.Slots, down: experts.
 
 def backward_by_row(dy_RD: torch.Tensor, x_RD: torch.Tensor, gate_up: experts.Slots, down: experts.Slots,
                     counts_L: torch.Tensor, kept: KeptParts, chunk: int, order_R: torch.Tensor | None,
-                    meter: MemoryMeter, kept_rows: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, experts.Slots, experts.Slots]:
+                    meter: MemoryMeter) -> tuple[torch.Tensor, experts.Slots, experts.Slots]:
     """(dx, in dy's buffer and order, the slots' weight gradients). ``order_R``: dy is in received
-    order, slot-major row i being ``dy_RD[order_R[i]]`` (None: slot-major already). ``kept_rows``
-    (a compacting backward, :mod:`lrmoe.passes.row_paths`): the saved row of each of dy's rows,
-    slot-major, ``counts_L`` then counting kept rows a slot; each chunk reads its rows' x and
-    saved part through them, so nothing saved is gathered whole (None: dy's rows are the saved ones)."""
+    order, slot-major row i being ``dy_RD[order_R[i]]`` (None: slot-major already)."""
     grads = experts.zero_grads(gate_up, down)
-    if kept_rows is not None and kept_rows.numel() > 1 and not bool((kept_rows[1:] > kept_rows[:-1]).all()):
-        kept_rows, order_R = torch.sort(kept_rows)  # the parts are spans of saved rows: dy read through the sort
-    act, row = _ffn_bytes(down, x_RD), dy_RD.shape[1] * dy_RD.element_size()
-    gather = 0 if order_R is None else row
+    act, gather = _ffn_bytes(down, x_RD), 0 if order_R is None else dy_RD.shape[1] * dy_RD.element_size()
     for kind, lo, hi in kept.split.spans(x_RD.shape[0]):
-        first, end = (lo, hi) if kept_rows is None else _kept_span(kept_rows, lo, hi)
-        # a chunk's recomputed activations and gathered dy rows (read through kept_rows: its x
-        # and saved part gathered too, x and four activations' worth a row whatever its part)
-        per_row = gather + (RECOMPUTED.get(kind, 4) * act if kept_rows is None else row + 4 * act)
-        meter.reach(min(chunk, end - first) * per_row)
-        for a, b, part in experts.chunk_spans(experts.span_counts(counts_L, first, end), chunk):
-            i, j = first + a, first + b
-            rows = slice(i, j) if kept_rows is None else kept_rows[i:j]  # their saved rows
+        meter.reach(min(chunk, hi - lo) * (RECOMPUTED.get(kind, 4) * act + gather))
+        for a, b, part in experts.chunk_spans(experts.span_counts(counts_L, lo, hi), chunk):
+            i, j = lo + a, lo + b
             saved = None
             if kind == KEEP_X_ACTS:
-                saved = {name: t[rows] for name, t in kept.acts.items()}
+                saved = {name: t[i:j] for name, t in kept.acts.items()}
             elif kind == GATE_UP:
-                at = slice(i - lo, j - lo) if kept_rows is None else rows - lo
-                gate, up = kept.gate_up[0][at], kept.gate_up[1][at]
+                gate, up = kept.gate_up[0][a:b], kept.gate_up[1][a:b]
                 silu, h = experts.swiglu(gate, up)
                 saved = {"gate": gate, "up": up, "silu": silu, "h": h}
             dy = dy_RD[i:j] if order_R is None else dy_RD[order_R[i:j]]
-            dx = experts.expert_backward(dy, x_RD[rows], gate_up, down, part, saved, grads=grads)[0]
+            dx = experts.expert_backward(dy, x_RD[i:j], gate_up, down, part, saved, grads=grads)[0]
             if order_R is not None:
                 dy_RD[order_R[i:j]] = dx
     meter.drop(*kept.tensors())
     return dy_RD, *grads
-
-
-def _kept_span(kept_rows: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
-    """(first, end) of the kept rows (ascending) that lie among saved rows [lo, hi)."""
-    bounds = torch.searchsorted(kept_rows, torch.tensor([lo, hi], dtype=kept_rows.dtype, device=kept_rows.device))
-    return int(bounds[0]), int(bounds[1])

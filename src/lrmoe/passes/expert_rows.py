@@ -23,12 +23,11 @@ def expert_rows_backward(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.T
     acts, saved.acts = saved.acts, None
     w_gu, w_down = saved.slot_weights or (gate_up, down)
     saved.slot_weights = None
-    by_row, kept_rows, saved.by_row, saved.kept_rows = saved.by_row, saved.kept_rows, None, None
-    if by_row is not None:  # part by part, dy in received order or slot-major (kept rows read through their indices)
+    by_row, saved.by_row = saved.by_row, None
+    if by_row is not None:  # part by part, dy in received order (the plan's chunk set for every rank)
         order = None if rows.dy_slot_major else comm.to_device(rows.layout.regroup_idx, dy_RD.device)
-        chunk = call.plan.bwd_chunk_rows_R[call.layer.rank]
-        return backward_by_row(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, by_row, chunk, order, meter,
-                               kept_rows)
+        return backward_by_row(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, by_row, rows.chunk, order,
+                               meter)
     if acts is not None:
         meter.drop(*acts.values())
         starts_L = None if saved.in_place is None else saved.in_place.starts_L

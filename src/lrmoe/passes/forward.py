@@ -234,11 +234,8 @@ def save(call: CallRecord, rows_RD: torch.Tensor, acts: dict[str, torch.Tensor] 
         meter.drop(*acts.values())
     if kept.rows:
         call.saved.rows_RD = rows_RD
-        return
-    meter.drop(rows_RD)
-    if call.saved.by_row is not None:  # kept by the row, yet its backward re-sends x (lrmoe's network budget)
-        meter.drop(*call.saved.by_row.tensors())
-        call.saved.by_row = None
+    else:
+        meter.drop(rows_RD)
 
 
 def _report(call: CallRecord, channel: Channel, y_PD: torch.Tensor, weights_TK: torch.Tensor,

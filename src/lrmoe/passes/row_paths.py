@@ -33,15 +33,11 @@ from lrmoe.systems import SystemSpec
 
 def _compact_saved(call: CallRecord, kept_rows: torch.Tensor | None, layout: RowLayout) -> torch.Tensor | None:
     """Keep-x backward: the saved rows of the kept pairs brought together per slot
-    (:mod:`lrmoe.passes.compaction`): in place where the plan says so, else gathered; a call
-    keeping by the row leaves them where they are, its backward told which they are.
+    (:mod:`lrmoe.passes.compaction`): in place where the plan says so, else gathered.
     ``kept_rows``: their slot-major indices among the saved rows, in dy's slot-major order (None:
     every row kept, nothing to do). Returns the order dy must then take (None: its own)."""
     saved = call.saved
     if kept_rows is None:
-        return None
-    if saved.by_row is not None:  # kept by the row: each chunk reads its kept rows through their indices
-        saved.kept_rows = kept_rows
         return None
     call.clock.lap("bwd_dispatch")
     if saved.acts is not None and in_place(call.rows.recv_rows, layout.recv_rows):

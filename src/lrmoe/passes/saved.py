@@ -41,7 +41,6 @@ class Saved:
     slot_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # concatenated or assembled slot weights
     in_place: InPlace | None = None  # the backward compacted its kept rows in place (lrmoe.passes.compaction)
     by_row: KeptParts | None = None  # a call keeping by the row: its parts beyond x
-    kept_rows: torch.Tensor | None = None  # ... and compacting: its kept rows among the saved ones, read through
 
     def clear(self) -> None:
-        self.rows_RD = self.acts = self.slot_weights = self.in_place = self.by_row = self.kept_rows = None
+        self.rows_RD = self.acts = self.slot_weights = self.in_place = self.by_row = None

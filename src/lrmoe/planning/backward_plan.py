@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from lrmoe.config import BackwardConfig
-from lrmoe.memory.bytes import KEEP_NOTHING, RowSplit
+from lrmoe.memory.bytes import KEEP_NOTHING
 from lrmoe.planning import controller as controller_module
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.call_plan import BackwardPlan, CallPlan
@@ -41,7 +41,7 @@ class BackwardPlanner(Protocol):
     rank: int
 
     def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
-                  quota_E: torch.Tensor, split_R: list[RowSplit] | None = None) -> str: ...
+                   quota_E: torch.Tensor) -> str: ...
 
 
 def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
@@ -65,7 +65,7 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
         def keep_of(q_E: torch.Tensor) -> str:
             if plan.rounds_R is not None:  # the forward's rows went in rounds: nothing was kept
                 return KEEP_NOTHING
-            return planner.keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E, plan.split_R)
+            return planner.keep_mode(placement, plan.assignment, plan.chunk_rows_R, q_E)
 
         if cfg.objective == "time":
             quota_E, keep = fastest_quotas(counts_E, plan.assignment.rows_ER(), quota_E, keep_of, cfg)

@@ -14,7 +14,6 @@ from lrmoe.config import MoEConfig
 from lrmoe.memory.bytes import (
     KEEP_MODES,
     KEEP_NOTHING,
-    KEEP_X,
     KEEP_X_ACTS,
     ByteModel,
     RowSplit,
@@ -57,7 +56,6 @@ class RankPeaks:
     memory_R: list[int]
     keep: str | None = None
     by_row: bool = False
-    bwd_rows_R: list[int] | None = None  # a compacting call's backward rows a rank (a bound; None: its forward rows)
 
     @property
     def bytes(self) -> ByteModel:
@@ -86,8 +84,7 @@ class RankPeaks:
         sharded = self.spec.placement is PlacementKind.SHARDED
         E = self.config.num_experts
         owned = 0 if sharded else len(placement.owned(r))
-        bwd = rows if self.bwd_rows_R is None else self.bwd_rows_R[r]
-        return RankWork(rows, bwd if training else 0, len(placement.slots[r]), owned, chunk, self.world,
+        return RankWork(rows, rows if training else 0, len(placement.slots[r]), owned, chunk, self.world,
                         sharded or placement.num_copies > E, E if sharded else 0, training, self.keep, bwd_chunk,
                         RowSplit(0) if split is None and self.by_row and training else split)
 
@@ -165,7 +162,7 @@ class RankPeaks:
         """Every rank's chunks and peak under ``assignment``, and whether all fit. By the row, a
         call every rank can keep whole runs as uncapped (one replay a rank), the split searched
         only where it cannot."""
-        if self.by_row and training and not self.spec.compacts:
+        if self.by_row and training:
             plain = replace(self, keep=None, by_row=False).measure(placement, assignment, training)
             if plain.ok:
                 return plain
@@ -177,26 +174,10 @@ class RankPeaks:
         split = None if split_R[0] is None else list(split_R)
         return Fit(placement, assignment, list(chunk_R), list(peak_R), ok, bwd, self.keep, split)
 
-    def kept_by_row(self, placement: Placement, assignment: PairAssignment, quota_E: torch.Tensor) -> Fit | None:
-        """A compacting training call's forward keeping by the row (docs/design.md "Keep by the
-        row"): each rank's richest split within its cap and its chunks, its backward rows bounded
-        by ``quota_E`` (the quotas are planned after the forward: any at or above them serve), as
-        :func:`keep_mode` bounds them. None where every rank keeps x and every activation within
-        that bound (the forward then runs whole, its keep mode chosen with the quotas: the kept
-        rows compacted in place, no chunk gathered) or where a rank cannot keep x in one-row chunks."""
-        bwd_R = [int(n) for n in torch.minimum(assignment.rows_ER(), quota_E.view(-1, 1)).sum(0).tolist()]
-        bound = replace(self, bwd_rows_R=bwd_R)
-        whole = replace(bound, keep=KEEP_X_ACTS, by_row=False)
-        if all(whole.peak(whole.work(placement, r, int(n), True)) <= m
-               for r, (n, m) in enumerate(zip(assignment.rows_R(), self.memory_R))):
-            return None
-        fit = replace(bound, keep=KEEP_X, by_row=True).measure(placement, assignment, True)
-        return fit if fit.ok else None
-
 
 def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
               chunk_rows_R: list[int] | None, quota_E: torch.Tensor, network_R: list[int] | None,
-              local: bool, split_R: list[RowSplit] | None = None) -> str:
+              local: bool) -> str:
     """What a compacting backward's expert side keeps from forward to backward, identical on
     every rank (decided from the plan alone): without a cap (``peaks`` None) the fastest, x and
     activations (no re-sent x, no recompute); under a cap the richest mode whose predicted peak
@@ -204,8 +185,7 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     then computed where the forward computed them, so rank r's backward rows are at most
     Σ_e min(its forward rows of e, q_e); x and activations need an unchunked forward. ``local``:
     the selection is local (a kept row's position rides with dy; a global one sends a kept byte
-    per forward row). ``split_R``: the forward kept by the row, within the cap for any kept rows
-    (:meth:`RankPeaks.kept_by_row`): x (and those parts) kept unless the network says otherwise."""
+    per forward row)."""
     if peaks is None:
         return KEEP_X_ACTS
     world, bm = peaks.world, peaks.bytes
@@ -220,8 +200,6 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     if network_R is not None and any((2 * bm.row + position) * int(bwd_R[r]) + mask * int(fwd_R[r]) > network_R[r]
                                      for r in range(world)):
         return KEEP_NOTHING  # only a re-spread of the kept pairs keeps every rank within its network
-    if split_R is not None:
-        return KEEP_X
     for mode in KEEP_MODES[:-1]:
         if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):
             continue

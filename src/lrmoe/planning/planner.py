@@ -8,10 +8,11 @@ counts, and the layer and the simulator drive the same object. The spec says wha
 where copies live, the assignment rule (:mod:`lrmoe.planning.pair_rules`) which copy computes
 which pairs; the planner decides when (between steps, or per call).
 
-Under a memory cap (``ClusterBudget(memory_bytes=M)``; docs/design.md "Keep by the row")
+Under a memory cap (``ClusterBudget(memory_bytes=M)``; docs/systems.md "Under a memory cap")
 ``lrmoe`` plans through its controller (:mod:`lrmoe.planning.controller`); every other system's
-calls are fitted by the :class:`~lrmoe.planning.cap_fit.CapFitter` ladder from each rank's
-predicted peak (:mod:`lrmoe.planning.peaks`). Where nothing fits, every rank raises the same error.
+calls are fitted by a :class:`~lrmoe.planning.cap_fit.CapFitter` from each rank's predicted peak
+(:mod:`lrmoe.planning.peaks`): the most copies keeping what the system keeps, else keeping x
+alone, chunked. Where nothing fits, every rank raises the same ``MemoryBudgetExceeded``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.memory.bytes import ByteModel, RowSplit, in_rounds
+from lrmoe.memory.bytes import ByteModel, in_rounds
 from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.backward_plan import plan_backward
@@ -35,7 +36,6 @@ from lrmoe.planning.figures import PlanFigures, cap_figures
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.peaks import Fit, RankPeaks
 from lrmoe.planning.placement import Placement
-from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.planning.replica_search import ReplicaCountSearch
 from lrmoe.planning.strategies import StrategyInputs, strategy_for
 from lrmoe.systems import PlacementKind, Planner, SystemSpec
@@ -138,10 +138,11 @@ class LayerPlanner:
         return training and self.keeps_replicas and self.fixed_slots_R is None  # (fixed slots stay as given)
 
     def _replan_in_call(self, forward_SE: torch.Tensor, failed: list[Fit], fitter: CapFitter | None = None) -> Fit:
-        """The one re-plan inside a training call whose forward does not fit the last step's replicas:
-        re-planned by this call's rows (lrmoe: its replica-count search; the others: the most slots
-        that fit), adopted, the call fitted on them, the new copies fetched before any row moves.
-        Raises :class:`MemoryBudgetExceeded` where no re-plan fits (``failed``: the plans tried before)."""
+        """The one re-plan inside a training call whose forward does not fit the replicas of the
+        last step: the replicas re-planned by this call's rows (lrmoe: its replica-count search
+        over every candidate; the others: the most slots that fit), adopted, and the call fitted
+        on them. The new copies are fetched before any row moves. Raises
+        :class:`MemoryBudgetExceeded` where no re-plan fits (``failed``: the plans tried before)."""
         if self.controller is not None:
             self._adopt(self._search_replicas(in_call=True))
             forward = self.controller.fit_forward(forward_SE, self.placement, self.assign(forward_SE, self.placement),
@@ -194,20 +195,23 @@ class LayerPlanner:
 
     def plan_forward(self, counts_SE: torch.Tensor, forward_SE: torch.Tensor | None = None, training: bool = True
                      ) -> CallPlan:
-        """The forward's plan of one call from its global counts (``forward_SE``: the pairs a forward
-        drop kept): placement, assignment, chunks; a training call updates the load (its backward's
-        part: :meth:`plan_backward`). Raises :class:`MemoryBudgetExceeded` where a capped call cannot fit."""
+        """The forward's plan of one call from its global counts (``forward_SE``: the pairs a
+        forward drop kept): placement, assignment, chunks. A training call updates the load;
+        its backward's part follows from :meth:`plan_backward`. Under a memory cap, raises
+        :class:`MemoryBudgetExceeded` (on every rank alike) where the call cannot fit."""
         forward_SE = counts_SE if forward_SE is None else forward_SE
         if training:
             self.observe(counts_SE.sum(0))
             if self.peaks is not None:
                 self._last_SE = forward_SE.clone()
-        fitting = self._free_call if self.fitter is None else self._fit_call
-        fit, figures, replanned = fitting(counts_SE, forward_SE, training)
+        if self.fitter is not None:
+            fit, figures, replanned = self._fit_call(counts_SE, forward_SE, training)
+        else:
+            fit, figures, replanned = self._free_call(counts_SE, forward_SE, training)
         placement = fit.placement
         # an exact system keeps what its fit says (None: its own); a compacting one what its backward plan says
         keep = fit.keep if training and not self.spec.compacts else None
-        capped = cap_figures(fit, self.memory_R, self.rank, training and (not self.spec.compacts or bool(fit.split_R)))
+        capped = cap_figures(fit, self.memory_R, self.rank, training and not self.spec.compacts)
         figures = replace(figures, replica_slots=len(placement.slots[self.rank]), **capped)
         fetch = self.spec.placement is PlacementKind.PER_CALL or replanned
         rounds_R = fit.chunk_rows_R if fit.rounds or in_rounds(self.spec, fit.keep) else None
@@ -250,8 +254,7 @@ class LayerPlanner:
                    ) -> tuple[Fit, PlanFigures, bool]:
         """A call no cap fitting bounds: per-call systems place it from its own counts; lrmoe's
         controller chunks its forward within the budget, or moves its rows in rounds (re-planning
-        replicas inside a training call whose forward does not fit, or fits only in rounds), and
-        a training call keeps by the row (:meth:`~lrmoe.planning.peaks.RankPeaks.kept_by_row`)."""
+        replicas inside a training call whose forward does not fit, or fits only in rounds)."""
         figures = PlanFigures()
         if self.spec.placement in (PlacementKind.PER_CALL, PlacementKind.SHARDED):
             self.placement, figures = self.strategy.place_call(counts_SE, self.slots_R)
@@ -260,27 +263,24 @@ class LayerPlanner:
             return Fit(self.placement, assignment, None, None, True), figures, False
         try:
             forward = self.controller.fit_forward(forward_SE, self.placement, assignment, self.assign)
-            replan = forward.rounds and not self.placement.owners_only and self._may_replan_in_call(training)
         except MemoryBudgetExceeded:
             if not self._may_replan_in_call(training):
                 raise
-            forward, replan = None, True
-        fit = self._replan_in_call(forward_SE, []) if replan else \
-            Fit(self.placement, forward.assignment, forward.chunks, None, True, rounds=forward.rounds)
-        if training and not fit.rounds and self.backward.keep is None:  # more than x kept where the cap allows
-            bound_E = fixed_ratio_quota(counts_SE.sum(0), self.backward.at_step(self.steps).ratio)  # ≥ the quotas
-            fit = self.peaks.kept_by_row(fit.placement, fit.assignment, bound_E) or fit
-        return fit, figures, replan
+            return self._replan_in_call(forward_SE, []), figures, True
+        if forward.rounds and not self.placement.owners_only and self._may_replan_in_call(training):
+            return self._replan_in_call(forward_SE, []), figures, True
+        fit = Fit(self.placement, forward.assignment, forward.chunks, None, True, rounds=forward.rounds)
+        return fit, figures, False
 
     def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
-                  quota_E: torch.Tensor, split_R: list[RowSplit] | None = None) -> str:
+                   quota_E: torch.Tensor) -> str:
         """What a compacting backward's expert side keeps (:func:`lrmoe.planning.peaks.keep_mode`),
         or what its ``BackwardConfig.keep`` fixes."""
         if self.backward.keep is not None:
             return self.backward.keep
         network_R = None if self.controller is None else self.controller.network_for(sum(assignment.rows_R()))
         return peak_model.keep_mode(self.peaks, placement, assignment, chunk_rows_R, quota_E, network_R,
-                                    self.backward.local, split_R)
+                                    self.backward.local)
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict:
