@@ -11,6 +11,7 @@ form (docs/design.md "Systems").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -150,11 +151,12 @@ def names_where(**attrs: object) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class SystemName:
-    """A parsed ``system[-selection][@ratio]`` name."""
+    """A parsed ``system[-selection][@ratio]`` name (``capacity@1.5``: a forward drop's factor)."""
 
     system: str
     selection: str | None = None
     ratio: float | None = None
+    capacity_factor: float | None = None  # ``capacity@F``: each expert computes at most ⌈F · pairs / E⌉
 
     @property
     def spec(self) -> SystemSpec:
@@ -166,19 +168,25 @@ class SystemName:
 
 def parse_system_name(name: str) -> SystemName:
     """``system[-selection][@ratio]`` → (system, selection or None, ratio or None), e.g.
-    ``lrmoe@0.5``, ``lrmoe-random@0.25``, ``masked@0.25``, ``static-recompute``. Selection and
-    ratio are allowed only for the selective systems; a bad name raises ``ValueError``."""
+    ``lrmoe@0.5``, ``lrmoe-random@0.25``, ``masked@0.25``, ``static-recompute``; selection and
+    ratio only for the selective systems. A forward drop takes ``@factor``, its capacity factor
+    (``capacity@1.0``). A bad name raises ``ValueError``."""
     base, _, ratio = name.partition("@")
     system, selection = (base, "") if base in SPECS else base.split("-", 1) if "-" in base else (base, "")
     bad = ValueError(f"system {name!r} is invalid: expected one of {SYSTEMS}, optionally "
                      f"<system>-<selection> and @<ratio> for {names_where(selective=True)} "
-                     f"(e.g. lrmoe-random@0.5)")
-    if system not in SPECS or ((selection or ratio) and not SPECS[system].selective):
+                     f"(e.g. lrmoe-random@0.5), @<capacity factor> for {names_where(forward_drop=True)}")
+    spec = SPECS.get(system)
+    if spec is None or (selection and not spec.selective) or (ratio and not (spec.selective or spec.forward_drop)):
         raise bad
     try:
         value = float(ratio) if ratio else None
     except ValueError:
         raise bad from None
+    if spec.forward_drop:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise bad
+        return SystemName(system, capacity_factor=value)
     return SystemName(system, selection or None, value)
 
 

@@ -135,3 +135,19 @@ def test_a_real_rerun_repeats_its_run(tmp_path, monkeypatch):
     assert dense is not None and dense["rerun_steps"] > 0 and dense["rerun_loss_max_abs_diff"] == 0.0, dense
     evals = [x["step"] for x in read_metrics(tmp_path / "lrmoe@0.5") if "val_loss" in x]
     assert r["steps_to_target"] == evals[-1] and evals[-1] - evals[-2] <= 5
+
+
+def test_capacity_at_a_factor_runs_that_capacity_factor():
+    """``capacity@1.0``: the forward drop at capacity factor 1.0 (Megatron-Core's workaround for
+    MoE out-of-memory), beside the config's own (1.25 by default) in one comparison."""
+    from lrmoe.systems import parse_system_name
+
+    cfg = from_dict({})
+    assert compare.system_config(cfg, "capacity").train.capacity_factor == 1.25
+    one = compare.system_config(cfg, "capacity@1.0")
+    assert (one.train.system, one.train.capacity_factor, one.backward) == ("capacity", 1.0, cfg.backward)
+    assert compare.system_config(cfg, "capacity@1.5").train.capacity_factor == 1.5
+    assert parse_system_name("capacity@1.5").capacity_factor == 1.5 and parse_system_name("capacity@1.5").ratio is None
+    for bad in ("capacity@0", "capacity@-1", "capacity@x", "capacity@inf", "capacity-random", "static@1.0"):
+        with pytest.raises(ValueError, match="capacity factor"):
+            parse_system_name(bad)

@@ -64,7 +64,8 @@ def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunCo
     system (``smartmoe``) builds its offline pool from ``train.routing_trace`` or else from
     ``trace`` (the reference's routing.npz, recorded earlier in the same comparison) when it
     exists; the others take no trace."""
-    system, selection, ratio = parse_system_name(name)
+    parsed = parse_system_name(name)
+    system, selection, ratio = parsed
     takes_trace = spec_of(system).takes_trace
     routing_trace = cfg.train.routing_trace if takes_trace else ""
     if takes_trace and not routing_trace and trace is not None and trace.exists():
@@ -77,7 +78,9 @@ def system_config(cfg: RunConfig, name: str, trace: Path | None = None) -> RunCo
             backward = replace(backward, ratio=ratio)
     except ValueError as e:
         raise ConfigError(f"compare system {name!r}: {e}") from None
-    return replace(cfg.with_train(system=system, routing_trace=routing_trace), backward=backward)
+    factor = cfg.train.capacity_factor if parsed.capacity_factor is None else parsed.capacity_factor
+    return replace(cfg.with_train(system=system, routing_trace=routing_trace, capacity_factor=factor),
+                   backward=backward)
 
 
 def finished(cfg: RunConfig, folder: Path) -> bool:
