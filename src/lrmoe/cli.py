@@ -223,8 +223,9 @@ def _compare_parser(sub) -> None:
                          "fraction of the uncapped reference's peak such as 0.8x) and plot MoE time to target "
                          "against the cap (sweep.json, sweep.png)")
     cp.add_argument("--seeds", metavar="S,T,U",
-                    help="run the whole comparison once per seed (train.seed and backward.seed; out/seed-S/ ...) and "
-                         "report mean, min-max and std of steps and MoE time to target (overrides compare.seeds)")
+                    help="run the whole comparison (with --memory-caps: the whole sweep) once per seed (train.seed "
+                         "and backward.seed; out/seed-S/ ...) and report mean, min-max and std of steps and MoE time "
+                         "to target (overrides compare.seeds)")
     cp.set_defaults(fn=cmd_compare)
 
 

@@ -1,5 +1,6 @@
 """``lrmoe compare --memory-caps A,B,C``: the same comparison at several per-rank memory caps;
-``lrmoe compare --seeds 0,1,2``: the same comparison at several seeds (:func:`run_seeds`).
+``lrmoe compare --seeds 0,1,2``: the same comparison at several seeds (:func:`run_seeds`); both
+flags: :mod:`lrmoe.train.sweep_seeds`.
 
 The reference (``static`` without a cap) runs once, into ``out/<reference>-uncapped``; each cap
 then gets its own comparison in ``out/cap-<label>/`` (the reference linked in, so every cap
