@@ -69,11 +69,12 @@ def summary(seeds: dict[int, dict[str, dict]], name: str) -> dict:
     def spread(v: list[float]) -> dict:
         return {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} if v and None not in v else None
 
+    kept = [r["mean_kept_ratio"] for r in rows.values() if r["mean_kept_ratio"] is not None]  # (none: an oom at once)
     return {"seeds_run": sorted(rows), "seeds_reached": sorted(reached),
             "statuses": {s: r["status"] for s, r in rows.items()},
             "steps": spread(steps), "moe_time_s": spread(times), "wall_time_s": spread(walls),
             "per_step_ms": spread([1e3 * t / n for t, n in zip(times, steps)]),
-            "mean_kept_ratio": statistics.fmean(r["mean_kept_ratio"] for r in rows.values()) if rows else None,
+            "mean_kept_ratio": statistics.fmean(kept) if kept else None,
             "per_seed": {s: {"steps": r["steps_to_target"], "moe_time_s": r["moe_time_to_target_s"],
                              "wall_time_s": r.get("wall_time_to_target_s"), "kept": r["mean_kept_ratio"],
                              "status": r["status"]} for s, r in rows.items()}}
@@ -129,7 +130,8 @@ def table(doc: dict) -> str:
             per = f"{r['per_step_ms']['mean']:.1f}" if r["per_step_ms"] else "–"
             lines.append(f"| {cap} | {name}{tag} | {len(r['seeds_reached'])}/{len(r['seeds_run'])} | "
                          f"{_mean_range(r['steps'], '.1f')} | {_mean_range(r['moe_time_s'], '.2f')} | {per} | "
-                         f"{_mean_range(r['wall_time_s'], '.2f')} | {r['mean_kept_ratio']:.3f} |")
+                         f"{_mean_range(r['wall_time_s'], '.2f')} | "
+                         f"{'–' if r['mean_kept_ratio'] is None else format(r['mean_kept_ratio'], '.3f')} |")
     lines += ["", "| cap | lrmoe vs | MoE time to target | = steps × per step | wall time to target | per seed (MoE) |",
               "|---|---|---|---|---|---|"]
     for cap, c in doc["caps"].items():
