@@ -58,12 +58,17 @@ def fake_launch(calls: list):
     return launch
 
 
-def test_sweep_shares_the_reference_and_runs_every_system_under_each_cap(tmp_path, monkeypatch):
+def faked(monkeypatch) -> tuple[list, object]:
+    """(the launches made, a 3-step config) with :func:`fake_launch` in place of training."""
     calls = []
     monkeypatch.setattr(compare, "launch", fake_launch(calls))
     monkeypatch.setattr(sweep, "launch", fake_launch(calls))
     monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
-    cfg = from_dict({"train": {"steps": 3}, "compare": {"target_fraction": 0.67, "budget_factor": 1.0}})
+    return calls, from_dict({"train": {"steps": 3}, "compare": {"target_fraction": 0.67, "budget_factor": 1.0}})
+
+
+def test_sweep_shares_the_reference_and_runs_every_system_under_each_cap(tmp_path, monkeypatch):
+    calls, cfg = faked(monkeypatch)
     doc = sweep.run_sweep(cfg, ("static", "lrmoe"), ["0.5x", "2KB"], tmp_path)
 
     assert calls[0] == ("static-uncapped", "static", None), "the reference runs first, without a cap"
@@ -173,11 +178,7 @@ def test_seeds_run_every_system_per_seed(tmp_path, monkeypatch):
 def test_sweep_over_seeds_aggregates_each_cap_and_names_the_best_exact_system(tmp_path, monkeypatch):
     from lrmoe.train.sweep_seeds import run_seed_sweeps
 
-    calls = []
-    monkeypatch.setattr(compare, "launch", fake_launch(calls))
-    monkeypatch.setattr(sweep, "launch", fake_launch(calls))
-    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
-    cfg = from_dict({"train": {"steps": 3}, "compare": {"target_fraction": 0.67, "budget_factor": 1.0}})
+    calls, cfg = faked(monkeypatch)
     doc = run_seed_sweeps(cfg, ("static", "lrmoe"), ["0.5x", "2KB"], (0, 1), tmp_path)
 
     assert sum(1 for c in calls if c[0] == "static-uncapped") == 2, "one reference a seed"

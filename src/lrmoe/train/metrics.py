@@ -67,11 +67,12 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
                        sum(s.get("bwd_a2a_bytes", 0) for s in stats),
                        sum(s.get("fwd_a2a_inter_bytes", 0) + s.get("bwd_a2a_inter_bytes", 0) for s in stats),
                        sum(s.get("replica_slots", 0) for s in stats) / max(len(stats), 1),
+                       *_split_rows(stats),
                        *(sum(s.get("stage_ms", {}).get(k, 0.0) for s in stats) for k in STAGES)],
                       dtype=torch.float64)
     all_reduce(mx, groups.world_group, dist.ReduceOp.MAX)
     all_reduce(sm, groups.world_group)
-    chunks = {**_fewest_rows_at_once(stats, groups), **_kept_parts(stats, groups)}
+    chunks = {**_fewest_rows_at_once(stats, groups), **_kept_parts(*sm[5:8].tolist())}
     counts = torch.stack([s["counts_E"].to(torch.float64) for s in stats]) if stats else torch.zeros(0, 1)
     kept = torch.stack([s["kept_E"].to(torch.float64) for s in stats]) if stats else torch.zeros(0, 1)
     both = torch.stack([counts, kept]) if stats else torch.zeros(2, 0, 1)
@@ -86,7 +87,7 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
         "load_min": counts.min(1).values.tolist(), "load_max": counts.max(1).values.tolist(),
         "load_cv": (counts.std(1, unbiased=False) / mean).tolist(),
         "replica_slots": float(sm[4]) / groups.world,  # mean over layers, then over ranks
-        "moe_stage_ms": {k: round(float(v) / groups.world, 3) for k, v in zip(STAGES, sm[5:])},
+        "moe_stage_ms": {k: round(float(v) / groups.world, 3) for k, v in zip(STAGES, sm[8:])},
         **({"keep_modes": [s["keep_mode"] for s in stats]} if all("keep_mode" in s for s in stats) and stats else {}),
         **chunks,
         "_counts": counts,
@@ -105,17 +106,19 @@ def _fewest_rows_at_once(stats: list[dict], groups: Groups) -> dict:
     return {k: int(v) for k, v in zip(keys, fewest.tolist())}
 
 
-def _kept_parts(stats: list[dict], groups: Groups) -> dict:
-    """``kept_parts``: of the rows received by calls that kept by the row, the shares that kept
-    x and the activations, x and gate/up, x alone, all layers and ranks (collective where such a
-    call ran: capped exact calls run it on every rank alike)."""
+def _split_rows(stats: list[dict]) -> list[float]:
+    """(rows keeping activations, rows keeping gate/up, all rows) of this rank's calls that kept by
+    the row: summed into the step's one collective, whatever kept by the row where (a
+    data-parallel replica's calls may split where another's fit whole)."""
     split = [s for s in stats if s.get("kept_acts_rows") is not None]
-    if not split:
+    return [float(sum(s[k] for s in split)) for k in ("kept_acts_rows", "kept_gate_up_rows", "recv_rows")]
+
+
+def _kept_parts(acts: float, gate_up: float, total: float) -> dict:
+    """``kept_parts``: of the rows received by calls that kept by the row (all layers and ranks),
+    the shares that kept x and the activations, x and gate/up, x alone; none where no call did."""
+    if total <= 0:
         return {}
-    rows = torch.tensor([[s["kept_acts_rows"], s["kept_gate_up_rows"], s["recv_rows"]] for s in split],
-                        dtype=torch.float64).sum(0)
-    acts, gate_up, total = all_reduce(rows, groups.world_group).tolist()
-    total = max(total, 1.0)
     return {"kept_parts": [acts / total, gate_up / total, (total - acts - gate_up) / total]}
 
 
