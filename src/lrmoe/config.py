@@ -23,7 +23,7 @@ LOCAL_SELECTIONS = ("local", "local-sampled")
 # What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute")
 KEEP_X_ACTS, KEEP_X, KEEP_NOTHING = "x+acts", "x", "nothing"
 KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
-OBJECTIVES = ("memory", "time")  # what the controller's quotas minimise beyond fitting (BackwardConfig)
+OBJECTIVES = ("memory", "time", "noise")  # what the controller's quotas minimise beyond fitting (BackwardConfig)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -160,6 +160,12 @@ class BackwardConfig:
     on (docs/convergence.md "Noise by training step"), so a later floor may be lower. A ratio
     may be a list, one per MoE layer in model order: the layers' noise at a ratio differs
     several-fold (the same table), and :meth:`for_layer` gives each layer its own.
+    ``objective="noise"``: each step keeps, per layer, the fewest pairs whose
+    sampling variance in the down projection's gradient stays within ``noise_threshold`` × the
+    minibatch gradient's own, measured on the step before (:mod:`lrmoe.planning.noise_control`);
+    ``ratio``, memory and the network still cap it; ``min_ratio`` and ``drop_cost`` are not read,
+    ``trim_after`` and ``min_ratio_after`` are refused with it. The noise priced is a local-sampled
+    draw's, whatever the selection: an ablation's selection keeps the same quotas.
     """
 
     selection: str = "local-sampled"
@@ -176,6 +182,7 @@ class BackwardConfig:
     warm_ratio: float = 1.0
     warm_balance: float | None = None
     min_ratio_after: tuple[tuple[int, Floor], ...] = ()
+    noise_threshold: float = 0.1  # docs/convergence.md "The noise objective": chosen on seeds 0-2
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -196,6 +203,12 @@ class BackwardConfig:
         fraction("min_ratio", self.min_ratio)
         if self.objective not in OBJECTIVES:
             raise bad("objective", self.objective, f"expected one of {OBJECTIVES}")
+        if self.objective == "noise" and (self.trim_after or self.min_ratio_after):
+            raise bad("objective", self.objective, "the noise objective sets when and how far to trim: "
+                      "trim_after=0, min_ratio_after=()")
+        if not (is_number(self.noise_threshold) and self.noise_threshold > 0):
+            raise bad("noise_threshold", self.noise_threshold, "expected a number > 0 (sampling noise over the "
+                      "minibatch's)")
         if not (is_number(self.drop_cost) and self.drop_cost >= 0):
             raise bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
         if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:

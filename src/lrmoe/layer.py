@@ -162,11 +162,16 @@ class MoELayer(nn.Module):
 
     def train_state(self) -> dict:
         """What a checkpoint needs beyond the state dict to resume exactly: load statistics,
-        step and selection counters, and the replica placement."""
-        return {**self.planner.state(), "backward_calls": self._streams.calls}
+        step and selection counters, the replica placement and the noise objective's state
+        (collective with the noise objective: its pending sums, totalled over the group)."""
+        noise = self.planner.noise
+        return {**self.planner.state(), "backward_calls": self._streams.calls,
+                "noise": None if noise is None else noise.state(self.group)}
 
     def load_train_state(self, state: dict) -> None:
         self.planner.load_state(state)
+        if self.planner.noise is not None and state.get("noise") is not None:
+            self.planner.noise.load_state(state["noise"], holder=self.rank == 0)
         self._streams.calls = int(state["backward_calls"])
         self._stale = self.planner.keeps_replicas  # refetched from the owners at the next forward
 

@@ -62,6 +62,8 @@ def _full_state(model, opt, groups) -> dict[str, torch.Tensor]:
             full.update({f"optim/{prefix}.{t}/{k}": whole[t] for t in EXPERT_TENSORS})
         full[f"layer/{prefix}/load_E"] = layer.planner.load_E.clone()
         full[f"layer/{prefix}/counters"] = torch.tensor([layer.planner.steps, layer.train_state()["backward_calls"]])
+        if layer.planner.noise is not None:  # the noise objective's ratio, measurements and pending sums
+            full[f"layer/{prefix}/noise"] = torch.tensor(layer.train_state()["noise"], dtype=torch.float64)
     return full
 
 
@@ -101,12 +103,15 @@ def load_case(group, kw: dict, out: str) -> dict[str, torch.Tensor]:
     return _full_state(model, opt, groups)
 
 
-@pytest.mark.parametrize("system,experts", [("static", 6), ("laer", 4), ("symi", 4)])
+@pytest.mark.parametrize("system,experts", [("static", 6), ("laer", 4), ("symi", 4), ("lrmoe-noise", 4)])
 def test_resharded_state_equals_the_full_state(pool2, pool, tmp_path, system, experts):
     """Written by 2 ranks (one expert-parallel group), read by 1 rank, by 4 ranks in one group
     (6 experts: 2, 2, 1, 1 each) and by 4 ranks in two groups of 2: every parameter, every
-    expert's Adam moments and the layers' load statistics equal the writer's full state."""
+    expert's Adam moments and the layers' load statistics (and the noise objective's ratio)
+    equal the writer's full state."""
     kw = {"system": system, "moe": {"num_experts": experts}, "nproc": 2}
+    if system == "lrmoe-noise":  # a ratio below 1 after two steps: a generous threshold
+        kw.update(system="lrmoe", backward={"objective": "noise", "noise_threshold": 5.0})
     pools = {2: pool2, 4: pool}
     written = pool2.run(2, save_case, kw, str(tmp_path))[0]
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step_0000002").iterdir()) == \

@@ -69,6 +69,7 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, dd
     dx_TD = torch.zeros_like(x_TD)
     dx_TD.index_add_(0, pairs_N // call.ids_TK.shape[1], dx_home_ND)
     call.clock.lap("bwd_home")
+    deferred = False  # the replicas' share reaches the owned gradients when the backward pass ends
     if layer.spec.placement is PlacementKind.SHARDED:  # slot gradients summed into the slices' owners
         meter.hold(dgate_up, ddown)  # the send buffer
         dgate_up, ddown = sharding.reduce_grads(dgate_up, ddown, plan.placement, layer.rank, channel.group,
@@ -78,11 +79,14 @@ def give_back(call: CallRecord, dx_RD: torch.Tensor, dgate_up: experts.Slots, dd
         meter.hold(rep_gu, rep_down)  # the send buffer
         pending = layer.replicas.start_reduce_grads(rep_gu, rep_down, plan.placement, layer.rank, channel.group,
                                                     channel.wire)
-        if call.overlap_grads:
+        deferred = call.overlap_grads
+        if deferred:
             _finish_at_backward_end(call, pending, params)
         else:
             pending.add_into(own_gu, own_down)
         dgate_up, ddown = own_gu, own_down
+    if layer.planner.noise is not None and not deferred:
+        layer.planner.noise.add_gradient(ddown)  # the owned experts' sampled gradient of this call
     call.clock.lap("bwd_reduce_grads")
     return dx_TD, dgate_up, ddown
 
@@ -96,9 +100,13 @@ def _finish_at_backward_end(call: CallRecord, pending: PendingGrads, params: tup
     gradients without the replicas' share, hence the layer's opt-in."""
     stats = call.stats
 
+    noise = call.layer.planner.noise
+
     def finish() -> None:
         t0 = time.perf_counter()
         pending.add_into(*(p.grad if p.requires_grad else None for p in params))
+        if noise is not None and params[1].grad is not None:
+            noise.add_gradient(params[1].grad)  # owned and replicas' shares: the call's whole gradient
         ms = (time.perf_counter() - t0) * 1e3
         stats.bwd_ms += ms
         stats.stage_ms["bwd_reduce_grads"] = stats.stage_ms.get("bwd_reduce_grads", 0.0) + ms

@@ -28,6 +28,7 @@ from lrmoe.passes.by_row import forward_by_row
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import forward_in_rounds
 from lrmoe.planning.cost import ADAM_STATES
+from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.selection.global_selection import select
 from lrmoe.selection.scores import squared_norms
 from lrmoe.systems import PlacementKind
@@ -91,7 +92,13 @@ def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
     E = planner.config.num_experts
     ids_P = call.ids_TK.reshape(-1)
     counts_E = torch.bincount(ids_P, minlength=E).cpu()
-    counts_SE = channel.all_gather(counts_E.view(1, E), [1] * planner.world)
+    noise = planner.noise  # its sums of the last backward travel with the counts (their float64 bits)
+    message = counts_E.view(1, E) if noise is None else torch.cat([counts_E.view(1, E), noise.pending().view(
+        torch.int64).view(1, -1)], 1)
+    gathered = channel.all_gather(message, [1] * planner.world)
+    counts_SE = gathered[:, :E]
+    if noise is not None:
+        noise.update(gathered[:, E:].contiguous().view(torch.float64).sum(0))
     forward_SE = None
     quota_E = planner.forward_quota(counts_SE)
     if quota_E is not None:  # kept: each expert's pairs of highest routing probability
@@ -110,6 +117,12 @@ def plan_backward(call: CallRecord) -> None:
         return
     layer = call.layer
     call.plan = call.plan.with_backward(layer.planner.plan_backward(call.plan), layer.spec)
+    noise = layer.planner.noise
+    if noise is not None:  # the ratio the quotas took, and whether memory or the network kept fewer
+        stats = call.stats
+        stats.trim_ratio, stats.variance_ratio, stats.minibatch_ratio = noise.state()[:3]
+        asked = fixed_ratio_quota(call.plan.counts_SE.sum(0), min(noise.ratio, layer.backward.ratio))
+        stats.memory_trimmed = int(call.plan.quota_E.sum()) < int(asked.sum())
     call.stats.figures = call.plan.figures
     call.selector, call.path = row_paths.choose(layer.spec, call.plan.keep, layer.backward.local)
 

@@ -40,8 +40,15 @@ class GlobalSelector(Selector):
                channel: Channel) -> Kept:
         plan, layer = call.plan, call.layer
         own, shared = layer.streams.next()
-        sel = select(_scores(call, g_TD, weights_TK, h_sq_P), call.ids_TK.reshape(-1), plan.counts_SE, plan.quota_E,
-                     layer.backward, channel, own, shared)
+        scores_P, ids_P = _scores(call, g_TD, weights_TK, h_sq_P), call.ids_TK.reshape(-1)
+        if layer.planner.noise is not None:  # priced as a local-sampled draw of this rank's pairs would be
+            E = plan.quota_E.numel()
+            sizes_E = torch.zeros(E, dtype=torch.long, device=ids_P.device).index_add_(0, ids_P, torch.ones_like(ids_P))
+            counts_E = plan.counts_SE.sum(0).to(ids_P.device)
+            share_E = torch.div(sizes_E * plan.quota_E.to(ids_P.device), counts_E.clamp(min=1), rounding_mode="floor")
+            layer.planner.noise.add_pairs(scores_P, ids_P, sizes_E, share_E, call.ids_TK.shape[0],
+                                          layer.backward.score_power)
+        sel = select(scores_P, ids_P, plan.counts_SE, plan.quota_E, layer.backward, channel, own, shared)
         return Kept(sel.keep_P, sel.kept_SE, sel.quota_E, sel.kept_SE.sum(0), sel.scale_P, sel.nonfinite)
 
 
@@ -54,19 +61,30 @@ class StrataSelector(Selector):
                channel: Channel) -> Kept:
         plan, layer = call.plan, call.layer
         own, _ = layer.streams.next()
-        # every pair of every rank kept: no draw, and the forward's rows (decided from the plan's
-        # global figures, so that every rank takes the same row path and sends the same messages)
-        if np.array_equal(plan.quota_E.numpy(), plan.counts_SE.sum(0).numpy()):  # (host counts)
-            kept_SE = plan.strata.kept_SE
-            sampled = layer.backward.selection == "local-sampled"  # its weights 1/π, here all 1
-            scale_P = torch.ones(call.ids_TK.numel(), dtype=torch.float64, device=g_TD.device) if sampled else None
-            return Kept(None, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite=False)
+        noise = layer.planner.noise
         send_N = call.rows.pair_idx  # every pair, in the forward's send order: a selective forward drops none
+        every_pair = np.array_equal(plan.quota_E.numpy(), plan.counts_SE.sum(0).numpy())  # (host counts)
+        if every_pair and noise is None:  # no scores needed: every pair of every rank kept, no draw
+            return self._every_pair(call, g_TD)
         scores_N = pair_scores(weights_TK.reshape(-1), squared_norms(g_TD), h_sq_P, send_N)
         strata = strata_on(plan.strata, scores_N.device)
+        if noise is not None:  # what trimming would add to the gradient's noise, at every ratio
+            noise.add_pairs(scores_N, strata.group_N, torch.from_numpy(plan.strata.sizes_G), strata.share_G,
+                            call.ids_TK.shape[0], layer.backward.score_power)
+        if every_pair:
+            return self._every_pair(call, g_TD)
         keep_N, scale_N, nonfinite = select_in_strata(scores_N, strata.group_N, strata.share_G, layer.backward, own)
         keep_P = scatter_pairs(keep_N, send_N, call.ids_TK.numel())
         scale_P = None if scale_N is None else scatter_pairs(scale_N, send_N, call.ids_TK.numel())
         kept_SE = strata.counts.kept_SE
         return Kept(keep_P, kept_SE, plan.quota_E, kept_SE.sum(0), scale_P, nonfinite, strata, keep_N)
+
+    @staticmethod
+    def _every_pair(call: CallRecord, g_TD: torch.Tensor) -> Kept:
+        """Every pair of every rank kept: no draw, and the forward's rows (decided from the plan's
+        global figures, so that every rank takes the same row path and sends the same messages)."""
+        kept_SE = call.plan.strata.kept_SE
+        sampled = call.layer.backward.selection == "local-sampled"  # its weights 1/π, here all 1
+        scale_P = torch.ones(call.ids_TK.numel(), dtype=torch.float64, device=g_TD.device) if sampled else None
+        return Kept(None, kept_SE, call.plan.quota_E, kept_SE.sum(0), scale_P, nonfinite=False)
 

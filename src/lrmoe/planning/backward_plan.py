@@ -22,6 +22,7 @@ from lrmoe.memory.bytes import KEEP_NOTHING
 from lrmoe.planning import controller as controller_module
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.call_plan import BackwardPlan, CallPlan
+from lrmoe.planning.noise_control import NoiseController
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
@@ -39,6 +40,7 @@ class BackwardPlanner(Protocol):
     backward: BackwardConfig
     steps: int
     rank: int
+    noise: NoiseController | None
 
     def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
                    quota_E: torch.Tensor) -> str: ...
@@ -84,7 +86,8 @@ def quotas(planner: BackwardPlanner, cfg: BackwardConfig, counts_E: torch.Tensor
     """The controller's max–min fair quotas capped by ``cfg``'s ratio (and its demand-side
     balance), or the ratio's alone (``rows``: the forward's assignment, which spares the solve
     where it keeps every pair)."""
-    quota_E = fixed_ratio_quota(counts_E, cfg.ratio)
+    ratio = cfg.ratio if planner.noise is None else min(cfg.ratio, planner.noise.ratio)
+    quota_E = fixed_ratio_quota(counts_E, ratio)
     if planner.controller is not None:
         quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
     if cfg.balance is not None:

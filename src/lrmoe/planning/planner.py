@@ -33,6 +33,7 @@ from lrmoe.planning.cap_fit import CapFitter, first_that_fits
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.cost import CostModel
 from lrmoe.planning.figures import PlanFigures, cap_figures
+from lrmoe.planning.noise_control import noise_controller
 from lrmoe.planning.pair_rules import assign_pairs
 from lrmoe.planning.peaks import Fit, RankPeaks
 from lrmoe.planning.placement import Placement
@@ -50,6 +51,7 @@ class LayerPlanner:
                  routing_trace: torch.Tensor | None = None) -> None:
         self.spec, self.config, self.world, self.rank = spec, config, world, rank
         self.backward = backward or BackwardConfig()
+        self.noise = noise_controller(spec.selective, self.backward)  # its ratio, carried between steps
         self.capacity_factor = float(capacity_factor)
         self.replan_interval = 1 if spec.replan_every_step else replan_interval
         self.load_ema = load_ema
@@ -91,16 +93,14 @@ class LayerPlanner:
         return self.slots_R is not None and self.spec.placement not in (PlacementKind.PER_CALL, PlacementKind.SHARDED)
 
     def _plan_slots(self) -> list[int] | None:
-        """Expert slots per rank for the replicated systems (the most a cap may leave them);
-        None: single copies."""
+        """Expert slots per rank for the replicated systems (the most a cap may leave them); None: single copies."""
         if self.controller is not None:
             return self.controller.slots(self.base)
         if not self.spec.uses_slots:  # fastermoe shadows on every rank
             return None
         if self.fixed_slots_R is not None:
             return list(self.fixed_slots_R)
-        # SYMI default: half as many replica slots as owned experts (at least one); for laer the
-        # experts a rank may assemble in one call
+        # SYMI: half as many replica slots as owned experts (at least one); laer: the experts it may assemble at once
         return [o + max(1, math.ceil(o / 2)) for o in self.base.owned_counts]
 
     def _step_placement(self, slots_R: list[int]) -> Placement:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lrmoe.config import OBJECTIVES, BackwardConfig
+from lrmoe.config import BackwardConfig
 from lrmoe.sim.errors import SimError
 from lrmoe.sizes import UNITS, SizeError, parse_bytes
 from lrmoe.systems import REPLICATED_BASELINE as BASE
@@ -97,7 +97,7 @@ def add_simulate_parser(sub) -> None:
                     f"(the controller's cost search, default) or {LRMOE_SLOTS_FIXED} ({BASE}'s default count, fixed)")
     sm.add_argument("--network-budget", type=float, default=1.0, help=f"{OURS}'s network budget per backward, "
                     "x a balanced rank's dy, x and dx of every pair (default 1; 0: none)")
-    sm.add_argument("--objective", default="memory", choices=OBJECTIVES, help=f"{OURS}'s controller: memory "
+    sm.add_argument("--objective", default="memory", choices=("memory", "time"), help=f"{OURS}'s controller: memory "
                     "(trim what the budgets force, default) or time (also trim where steps x work falls)")
     sm.add_argument("--drop-cost", type=float, default=BackwardConfig.drop_cost,
                     help="the time objective's extra steps per unit of pairs dropped (docs/convergence.md)")

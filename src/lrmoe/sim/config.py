@@ -84,6 +84,9 @@ class SimConfig:
         if not (is_number(self.warm_share) and 0 <= self.warm_share < 1):
             raise SimError(f"--warm-share={self.warm_share!r} is invalid: expected a number in [0, 1) "
                            f"(the share of lrmoe's steps before it trims)")
+        if self.backward.objective == "noise":
+            raise SimError("--objective noise measures gradients while training; the projection has none "
+                           "(--objective time or memory)")
         if self.backward.trim_after or self.backward.min_ratio_after:
             raise SimError("the projection's phases are shares of the steps (--warm-share, --late-floor), "
                            "not BackwardConfig.trim_after or min_ratio_after")

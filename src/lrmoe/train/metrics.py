@@ -29,6 +29,10 @@
 | ``keep_modes`` | per MoE layer: what its expert side kept to the backward (``x+acts``, ``x``, ``nothing``) |
 | ``fwd_chunk_rows``, ``bwd_chunk_rows`` | under a cap: fewest rows computed at once, min over layers and ranks |
 | ``kept_parts`` | kept by the row: shares of received rows keeping activations, gate/up, x alone |
+| ``trim_ratio`` | per MoE layer, the noise objective: the ratio of its pairs its quotas took this step |
+| ``variance_ratio`` | ... sampling noise over the minibatch gradient's squared norm, the step before (None at step 1) |
+| ``minibatch_ratio`` | ... sampling noise over the minibatch's own noise (VCAS's ratio), the step before |
+| ``memory_trimmed`` | ... memory or the network kept fewer pairs than ``trim_ratio`` |
 
 ``summary.json`` (rank 0, at the end): ``steps`` run, ``val`` (one ``{"step", "loss",
 "moe_time_s"}`` per evaluation), ``moe_time_s``, ``wall_s``, ``train_wall_s``, ``unigram_loss`` (the corpus's
@@ -90,8 +94,18 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
         "moe_stage_ms": {k: round(float(v) / groups.world, 3) for k, v in zip(STAGES, sm[8:])},
         **({"keep_modes": [s["keep_mode"] for s in stats]} if all("keep_mode" in s for s in stats) and stats else {}),
         **chunks,
+        **_noise(stats),
         "_counts": counts,
     }
+
+
+def _noise(stats: list[dict]) -> dict:
+    """The noise objective's figures per MoE layer (identical on every rank of a layer's group:
+    its sums are all-reduced before the ratio is set)."""
+    if not stats or not all("trim_ratio" in s for s in stats):
+        return {}
+    keys = ("trim_ratio", "variance_ratio", "minibatch_ratio", "memory_trimmed")
+    return {k: [s.get(k) for s in stats] for k in keys}
 
 
 def _fewest_rows_at_once(stats: list[dict], groups: Groups) -> dict:

@@ -24,6 +24,8 @@ asks for the experts it owns there, with their Adam moments.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -34,7 +36,8 @@ from lrmoe.systems import PlacementKind
 from lrmoe.train.groups import Groups
 
 GATE_UP, DOWN = EXPERT_TENSORS
-LAYER_STATE_KEYS = {"load_E", "steps", "slots", "trace", "replica_k", "backward_calls"}  # MoELayer.train_state()
+# MoELayer.train_state()'s keys
+LAYER_STATE_KEYS = {"load_E", "steps", "slots", "trace", "replica_k", "backward_calls", "noise"}
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -136,6 +139,9 @@ class TrainState:
                                                   -1 if s["replica_k"] is None else s["replica_k"]], dtype=torch.int64)}
         if s["trace"]:
             out[f"{where}/trace"] = torch.stack(list(s["trace"]))
+        if s["noise"] is not None:  # the noise objective's ratio and last measurements (nan: none yet)
+            noise = [math.nan if v is None else v for v in s["noise"]]
+            out[f"{where}/noise"] = torch.tensor(noise, dtype=torch.float64)
         return out
 
     # ---------------------------------------------------------------- load
@@ -233,8 +239,10 @@ class TrainState:
             slots = [torch.nonzero(row).flatten().tolist() for row in slots_WE]
         else:  # another expert-parallel size: no replicas, and a fresh search, until the next re-plan
             slots = [list(layer.base_placement.owned(r)) for r in range(layer.world)]
-        trace = flat.get(f"{where}/trace")
-        return {"load_E": flat[f"{where}/load_E"].to(torch.float64), "steps": steps, "slots": slots,
+        trace, noise = flat.get(f"{where}/trace"), flat.get(f"{where}/noise")
+        if noise is not None:
+            noise = tuple(None if math.isnan(v) else v for v in noise.tolist())
+        return {"noise": noise, "load_E": flat[f"{where}/load_E"].to(torch.float64), "steps": steps, "slots": slots,
                 "trace": [] if trace is None else list(trace.to(torch.float64).unbind(0)),
                 "replica_k": replica_k if same_ep and replica_k >= 0 else None, "backward_calls": backward_calls}
 
