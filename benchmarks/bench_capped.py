@@ -47,7 +47,7 @@ SYSTEMS = {
     "lrmoe": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=1.0)),
     "lrmoe@0.75": ("lrmoe", BackwardConfig(selection="local-sampled", ratio=0.75)),
     "llep": ("llep", None),
-    "lrmoe-time": ("lrmoe", BackwardConfig(selection="local-sampled", objective="time")),  # configs/paper.toml's
+    "lrmoe-time": ("lrmoe", BackwardConfig(selection="local-sampled", objective="time")),  # paper.toml's earlier
 }
 TIMES = ("fwd_ms", "bwd_ms", "step_end_ms", "step_ms")
 

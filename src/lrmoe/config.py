@@ -160,9 +160,10 @@ class BackwardConfig:
     on (docs/convergence.md "Noise by training step"), so a later floor may be lower. A ratio
     may be a list, one per MoE layer in model order: the layers' noise at a ratio differs
     several-fold (the same table), and :meth:`for_layer` gives each layer its own.
-    ``objective="noise"``: each step keeps, per layer, the fewest pairs whose
-    sampling variance in the down projection's gradient stays within ``noise_threshold`` × the
-    minibatch gradient's own, measured on the step before (:mod:`lrmoe.planning.noise_control`);
+    ``objective="noise"``: each step keeps, per layer, the fewest pairs whose sampling variance in
+    the down projection's gradient stays within ``noise_threshold`` × the minibatch gradient's
+    squared norm (the share of extra steps it predicts), measured on the step before
+    (:mod:`lrmoe.planning.noise_control`);
     ``ratio``, memory and the network still cap it; ``min_ratio`` and ``drop_cost`` are not read,
     ``trim_after`` and ``min_ratio_after`` are refused with it. The noise priced is a local-sampled
     draw's, whatever the selection: an ablation's selection keeps the same quotas.
@@ -207,8 +208,8 @@ class BackwardConfig:
             raise bad("objective", self.objective, "the noise objective sets when and how far to trim: "
                       "trim_after=0, min_ratio_after=()")
         if not (is_number(self.noise_threshold) and self.noise_threshold > 0):
-            raise bad("noise_threshold", self.noise_threshold, "expected a number > 0 (sampling noise over the "
-                      "minibatch's)")
+            raise bad("noise_threshold", self.noise_threshold, "expected a number > 0 (the share of extra steps "
+                      "the sampling noise may cost)")
         if not (is_number(self.drop_cost) and self.drop_cost >= 0):
             raise bad("drop_cost", self.drop_cost, "expected a number >= 0 (extra steps per unit of pairs dropped)")
         if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:

@@ -92,9 +92,10 @@ def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
     E = planner.config.num_experts
     ids_P = call.ids_TK.reshape(-1)
     counts_E = torch.bincount(ids_P, minlength=E).cpu()
-    noise = planner.noise  # its sums of the last backward travel with the counts (their float64 bits)
-    message = counts_E.view(1, E) if noise is None else torch.cat([counts_E.view(1, E), noise.pending().view(
-        torch.int64).view(1, -1)], 1)
+    message = counts_E.view(1, E)
+    noise = planner.noise  # its sums of the last backward travel with the counts, as their float64 bits
+    if noise is not None:
+        message = torch.cat([message, noise.pending().view(torch.int64).view(1, -1)], 1)
     gathered = channel.all_gather(message, [1] * planner.world)
     counts_SE = gathered[:, :E]
     if noise is not None:

@@ -8,9 +8,8 @@ minibatch gradient of variance V around the true gradient G. Sampling adds V_s t
 grow by the factor 1 + V_s / (‖G‖² + V) = 1 + V_s / E‖G_mb‖²: the sampling noise over the
 minibatch gradient's own squared norm. E‖Ĝ‖² = E‖G_mb‖² + V_drawn for the sampled gradient Ĝ the
 backward produced, so the denominator is read off it. VCAS (arXiv 2402.17227) holds V_s / V
-instead, the same where noise dominates (V ≫ ‖G‖²); here the signal does not (docs/convergence.md
-"The noise objective"), and only the full form says that early steps, whose gradients are small
-against their noise, cost the most to trim.
+instead, the same where noise dominates (V ≫ ‖G‖²); on configs/paper.toml E‖G_mb‖² is about three
+times V (docs/convergence.md "The noise objective").
 
 A call's quotas are set before its backward, so the ratio is carried from step to step: during
 step t every rank adds what its backward already holds — the design variance
@@ -43,6 +42,7 @@ from lrmoe.selection.noise import design_variances
 
 NOISE_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))  # 1, 0.95, …, 0.05: the ratios priced
 _SCORES, _TOKENS, _GRAD, _DRAWN = range(4)  # the sums' first entries; the ratios' variances follow
+_SUMS = _DRAWN + 1 + len(NOISE_RATIOS)
 
 
 class NoiseController:
@@ -57,7 +57,7 @@ class NoiseController:
 
     def _add(self, index: slice | int, value: torch.Tensor) -> None:
         if self._sums is None:
-            self._sums = torch.zeros(_DRAWN + 1 + len(NOISE_RATIOS), dtype=torch.float64, device=value.device)
+            self._sums = torch.zeros(_SUMS, dtype=torch.float64, device=value.device)
         self._sums[index] += value
 
     def add_pairs(self, scores_N: torch.Tensor, group_N: torch.Tensor, sizes_G: torch.Tensor,
@@ -79,8 +79,7 @@ class NoiseController:
     def pending(self) -> torch.Tensor:
         """This rank's sums since the last :meth:`update` (float64 on the host; zeros if none),
         taken off: the next forward's count exchange carries them to every rank of the group."""
-        sums = torch.zeros(_DRAWN + 1 + len(NOISE_RATIOS), dtype=torch.float64) if self._sums is None \
-            else self._sums.cpu()
+        sums = torch.zeros(_SUMS, dtype=torch.float64) if self._sums is None else self._sums.cpu()
         self._sums = None
         return sums
 
@@ -106,8 +105,7 @@ class NoiseController:
         """What a checkpoint keeps: the ratio, the last measured ratios, then the sums not yet taken
         (a checkpoint falls between a backward and the next forward that takes them), totalled
         over ``group`` (collective) so that every rank's copy is the same."""
-        sums = torch.zeros(_DRAWN + 1 + len(NOISE_RATIOS), dtype=torch.float64) if self._sums is None \
-            else self._sums.cpu()
+        sums = torch.zeros(_SUMS, dtype=torch.float64) if self._sums is None else self._sums.cpu()
         return (self.ratio, self.variance_ratio, self.minibatch_ratio, *comm.all_reduce_sum(sums, group).tolist())
 
     def load_state(self, state: tuple[float | None, ...], holder: bool = True) -> None:
