@@ -6,13 +6,17 @@ set, and its state survives a checkpoint."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.parallel import comm
+from lrmoe.planning.backward_plan import quotas
 from lrmoe.planning.noise_control import NOISE_RATIOS, NoiseController
+from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.selection.noise import design_variances
 from lrmoe.selection.sampling import inclusion_probabilities
@@ -114,6 +118,19 @@ def test_a_step_without_a_backward_changes_nothing_and_a_checkpoint_keeps_what_i
     c.update(c.pending())
     restored.update(restored.pending())
     assert restored.state() == c.state() and c.ratio != 0.6
+
+
+@pytest.mark.parametrize("balance,trimmed", [(None, False), (0.0, True)])
+def test_quotas_say_when_a_budget_kept_fewer_pairs_than_the_ratio(balance, trimmed):
+    """The noise ratio caps the quotas; a demand-side balance (like memory) that keeps fewer is reported."""
+    noise = NoiseController(0.1)
+    noise.ratio = 0.8
+    planner = SimpleNamespace(noise=noise, controller=None)
+    counts_E = torch.tensor([100, 1, 1, 1])
+    quota_E, got = quotas(planner, BackwardConfig(objective="noise", balance=balance), counts_E,
+                          Placement.static(4, 2), None)
+    assert got is trimmed
+    assert torch.equal(quota_E, fixed_ratio_quota(counts_E, 0.8)) is not trimmed
 
 
 @pytest.mark.parametrize("fields", [dict(noise_threshold=0.0),

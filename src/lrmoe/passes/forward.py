@@ -28,7 +28,6 @@ from lrmoe.passes.by_row import forward_by_row
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import forward_in_rounds
 from lrmoe.planning.cost import ADAM_STATES
-from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.selection.global_selection import select
 from lrmoe.selection.scores import squared_norms
 from lrmoe.systems import PlacementKind
@@ -119,11 +118,10 @@ def plan_backward(call: CallRecord) -> None:
     layer = call.layer
     call.plan = call.plan.with_backward(layer.planner.plan_backward(call.plan), layer.spec)
     noise = layer.planner.noise
-    if noise is not None:  # the ratio the quotas took, and whether memory or the network kept fewer
+    if noise is not None:  # the ratio the quotas took (the plan's figures say whether memory kept fewer)
         stats = call.stats
-        stats.trim_ratio, stats.variance_ratio, stats.minibatch_ratio = noise.state()[:3]
-        asked = fixed_ratio_quota(call.plan.counts_SE.sum(0), min(noise.ratio, layer.backward.ratio))
-        stats.memory_trimmed = int(call.plan.quota_E.sum()) < int(asked.sum())
+        stats.trim_ratio, stats.variance_ratio, stats.minibatch_ratio = noise.ratio, noise.variance_ratio, \
+            noise.minibatch_ratio
     call.stats.figures = call.plan.figures
     call.selector, call.path = row_paths.choose(layer.spec, call.plan.keep, layer.backward.local)
 

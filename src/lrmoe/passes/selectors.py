@@ -15,7 +15,7 @@ from lrmoe.passes.record import CallRecord, Selector
 from lrmoe.selection.arrays import scatter_pairs
 from lrmoe.selection.global_selection import select
 from lrmoe.selection.scores import lrm_scores, pair_scores, squared_norms
-from lrmoe.selection.strata import select_in_strata, strata_on
+from lrmoe.selection.strata import largest_remainder, select_in_strata, strata_on
 
 
 class ForwardPairs(Selector):
@@ -41,12 +41,9 @@ class GlobalSelector(Selector):
         plan, layer = call.plan, call.layer
         own, shared = layer.streams.next()
         scores_P, ids_P = _scores(call, g_TD, weights_TK, h_sq_P), call.ids_TK.reshape(-1)
-        if layer.planner.noise is not None:  # priced as a local-sampled draw of this rank's pairs would be
-            E = plan.quota_E.numel()
-            sizes_E = torch.zeros(E, dtype=torch.long, device=ids_P.device).index_add_(0, ids_P, torch.ones_like(ids_P))
-            counts_E = plan.counts_SE.sum(0).to(ids_P.device)
-            share_E = torch.div(sizes_E * plan.quota_E.to(ids_P.device), counts_E.clamp(min=1), rounding_mode="floor")
-            layer.planner.noise.add_pairs(scores_P, ids_P, sizes_E, share_E, call.ids_TK.shape[0],
+        if layer.planner.noise is not None:  # priced as a local-sampled draw of this rank's pairs by expert
+            share_E = largest_remainder(plan.quota_E, plan.counts_SE)[layer.rank].to(ids_P.device)
+            layer.planner.noise.add_pairs(scores_P, ids_P, plan.counts_SE[layer.rank], share_E, call.ids_TK.shape[0],
                                           layer.backward.score_power)
         sel = select(scores_P, ids_P, plan.counts_SE, plan.quota_E, layer.backward, channel, own, shared)
         return Kept(sel.keep_P, sel.kept_SE, sel.quota_E, sel.kept_SE.sum(0), sel.scale_P, sel.nonfinite)

@@ -39,7 +39,6 @@ class CallStats:
     trim_ratio: float | None = None  # the noise objective: the ratio its quotas took this call
     variance_ratio: float | None = None  # ... sampling noise / ‖minibatch gradient‖² of the step before
     minibatch_ratio: float | None = None  # ... sampling noise / the minibatch's own (VCAS's) of the step before
-    memory_trimmed: bool | None = None  # ... memory or the network kept fewer pairs than that ratio
     kept_E: torch.Tensor | None = None  # pairs each expert's backward kept
     bwd_gemm_rows: int | None = None  # rows through this rank's expert backward
     compaction: str | None = None  # a keep-x backward that dropped rows: "in place" or "gathered" (passes.compaction)

@@ -61,7 +61,7 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
     kept_capacity_R = None if planner.controller is None else \
         planner.controller.kept_capacity(placement, int(counts_E.sum()))
     cfg = planner.backward.at_step(planner.steps)  # the warm phase's within trim_after steps
-    quota_E = quotas(planner, cfg, counts_E, placement, kept_capacity_R, plan.assignment)
+    quota_E, trimmed = quotas(planner, cfg, counts_E, placement, kept_capacity_R, plan.assignment)
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
         def keep_of(q_E: torch.Tensor) -> str:
@@ -78,21 +78,23 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
         strata = plan_strata(plan.assignment, placement, plan.counts_SE, quota_E, planner.rank)
         if spec.compacts and keep == KEEP_NOTHING:
             kept_assignment = assign_pairs(plan.rule, strata.kept_SE, placement, kept_capacity_R, plan.node_of)
-    return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment)
+    return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment,
+                        None if planner.noise is None else trimmed)
 
 
 def quotas(planner: BackwardPlanner, cfg: BackwardConfig, counts_E: torch.Tensor, placement: Placement,
-           cap_R: list[int] | None, rows: PairAssignment | None = None) -> torch.Tensor:
-    """The controller's max–min fair quotas capped by ``cfg``'s ratio (and its demand-side
-    balance), or the ratio's alone (``rows``: the forward's assignment, which spares the solve
-    where it keeps every pair)."""
+           cap_R: list[int] | None, rows: PairAssignment | None = None) -> tuple[torch.Tensor, bool]:
+    """The controller's max–min fair quotas capped by ``cfg``'s ratio (the noise objective's, if
+    lower; and the demand-side balance), or the ratio's alone (``rows``: the forward's assignment,
+    which spares the solve where it keeps every pair); and whether the controller or the balance
+    kept fewer pairs than the ratio."""
     ratio = cfg.ratio if planner.noise is None else min(cfg.ratio, planner.noise.ratio)
-    quota_E = fixed_ratio_quota(counts_E, ratio)
+    ratio_E = quota_E = fixed_ratio_quota(counts_E, ratio)
     if planner.controller is not None:
         quota_E = torch.minimum(quota_E, planner.controller.quotas(counts_E, placement, cap_R, rows))
     if cfg.balance is not None:
         quota_E = torch.minimum(quota_E, demand_balanced(counts_E, placement, cfg))
-    return quota_E
+    return quota_E, bool((quota_E < ratio_E).any())
 
 
 def demand_balanced(counts_E: torch.Tensor, placement: Placement, cfg: BackwardConfig) -> torch.Tensor:

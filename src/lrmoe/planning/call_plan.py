@@ -35,6 +35,7 @@ class BackwardPlan:
     keep: str | None = None  # what the expert side keeps (KEEP_MODES; None: its system's)
     strata: StrataCounts | None = None  # a local selection: this rank's kept counts per stratum
     kept_assignment: PairAssignment | None = None  # a local selection re-spread (keep nothing): where kept pairs go
+    memory_trimmed: bool | None = None  # the noise objective: memory or the network kept fewer pairs than its ratio
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class CallPlan:
 
     def with_backward(self, backward: BackwardPlan, spec: SystemSpec) -> CallPlan:
         """This forward plan with its backward's part: what a single planning pass gave."""
-        figures = replace(self.figures, keep_mode=backward.keep or spec_keep(spec))
+        figures = replace(self.figures, keep_mode=backward.keep or spec_keep(spec),
+                          memory_trimmed=backward.memory_trimmed)
         return replace(self, kept_capacity_R=backward.kept_capacity_R, quota_E=backward.quota_E, keep=backward.keep,
                        figures=figures, strata=backward.strata, kept_assignment=backward.kept_assignment,
                        backward_planned=True)

@@ -25,6 +25,7 @@ class PlanFigures:
     bwd_chunk_rows: int | None = None  # a capped call: rows this rank's backward recomputes at once
     kept_acts_rows: int | None = None  # a call keeping by the row: this rank's rows keeping x and activations
     kept_gate_up_rows: int | None = None  # ... keeping x and gate/up (the rest keep x alone)
+    memory_trimmed: bool | None = None  # the noise objective: memory or the network kept fewer pairs than its ratio
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

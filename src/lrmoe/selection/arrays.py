@@ -66,6 +66,13 @@ def segment_sum(values: Array, groups: Array, G: int) -> Array:
     return torch.zeros(G, dtype=values.dtype, device=values.device).index_add_(0, groups, values)
 
 
+def count_at_most(sorted_keys: Array, queries: Array) -> Array:
+    """Per query, how many of the ascending ``sorted_keys`` are ≤ it (``searchsorted``, right side)."""
+    if isinstance(sorted_keys, np.ndarray):
+        return np.searchsorted(sorted_keys, queries, side="right")
+    return torch.searchsorted(sorted_keys, queries.contiguous(), right=True)
+
+
 def order_by_group_then_key(groups: Array, key: Array) -> Array:
     """Indices sorted by (group asc, key desc, index asc): by key, then a stable sort by group
     (on the host a radix sort of small integers, nearly free). On the host the sort by key is

@@ -29,14 +29,15 @@ the estimate errs on the side of keeping pairs.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from lrmoe.selection.arrays import (
     Array,
     arange,
     as_tensor,
+    count_at_most,
     float64,
+    int64,
     on_host,
     order_by_group_then_key,
     segment_sum,
@@ -69,32 +70,21 @@ def _variances(scores_N: Array, group_N: Array, quota_CG: Array, power: float) -
     a = s if power == 1 else (w.sqrt(s) if power == 0.5 else s**power)
     s_over_a = w.where(a > 0, s / w.where(a > 0, a, 1.0), 0.0)
     cum_a, cum_sa, cum_s = (w.concatenate([zeros(1, s), v.cumsum(0)]) for v in (a, s_over_a, s))
-    start_G = _int(n_G.cumsum(0) - n_G)
-    end_G = start_G + _int(n_G)
+    start_G = int64(n_G.cumsum(0) - n_G)
+    end_G = start_G + int64(n_G)
     tail_a = cum_a[end_G][g] - cum_a[:-1]
     need = w.where(a > 0, arange(N, s) - start_G[g] + tail_a / w.where(a > 0, a, 1.0), float(N + 1))
     span = float(N + 2)  # keys of one group stay below the next group's
     key = float64(g) * span + need.clip(max=N + 1)
     q_CG = w.minimum(float64(quota_CG), n_G)
     query = float64(arange(G, s)) * span + q_CG
-    at = _searchsorted(key, query)  # first uncapped position of each group, per candidate
+    at = count_at_most(key, query)  # first uncapped position of each group, per candidate
     m_CG = float64(at - start_G)
     rest_a, rest_sa, rest_s = (cum[end_G] - cum[at] for cum in (cum_a, cum_sa, cum_s))
     share = q_CG - m_CG
     drawn = (share > 0) & (q_CG < n_G)  # a group kept whole adds nothing, whatever the rounding
     v_CG = w.where(drawn, rest_a * rest_sa / w.where(share > 0, share, 1.0) - rest_s, 0.0)
     return v_CG.clip(min=0.0).sum(1)
-
-
-def _searchsorted(key: Array, query: Array) -> Array:
-    """Per query, how many keys are ≤ it (side right), in either library."""
-    if isinstance(key, torch.Tensor):
-        return torch.searchsorted(key, query.contiguous(), right=True)
-    return np.searchsorted(key, query, side="right")
-
-
-def _int(a: Array) -> Array:
-    return a.astype("int64") if not isinstance(a, torch.Tensor) else a.long()
 
 
 __all__ = ["design_variances"]

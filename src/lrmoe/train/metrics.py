@@ -101,7 +101,7 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
 
 def _noise(stats: list[dict]) -> dict:
     """The noise objective's figures per MoE layer (identical on every rank of a layer's group:
-    its sums are all-reduced before the ratio is set)."""
+    every rank sums the same exchanged sums before the ratio is set)."""
     if not stats or not all("trim_ratio" in s for s in stats):
         return {}
     keys = ("trim_ratio", "variance_ratio", "minibatch_ratio", "memory_trimmed")
