@@ -20,7 +20,8 @@ class FakeRuns:
     evaluations every ``eval_every`` steps, at ``eval_at`` and at the end; a stop at the first
     evaluation at or below ``stop_at``; checkpoints every ``checkpoint_every`` steps (the newest
     ``keep_checkpoints`` kept, ``ckpt/latest``) and at the stop; a resume from ``ckpt/latest``
-    trims the metrics to its step. MoE time 0.1 s a step, wall time 0.3 s. Every call is recorded."""
+    trims the metrics to its step. MoE time 0.1 s a step, wall time 0.3 s, 4000 expert-side bytes.
+    Every call is recorded."""
 
     def __init__(self):
         self.calls = []
@@ -36,7 +37,7 @@ class FakeRuns:
         total = max_steps or t.steps
         for step in range(start + 1, total + 1):
             r = {"step": step, "loss": 6.0 - 0.01 * step, "moe_time_s": 0.1 * step, "train_wall_s": 0.3 * step,
-                 "kept_ratio": 1.0, "load_cv": [0.5]}
+                 "kept_ratio": 1.0, "load_cv": [0.5], "peak_expert_side_bytes": 4000}
             if step % t.eval_every == 0 or step in eval_at or step == total:
                 r["val_loss"] = curve(step, t.seed)
             rows.append(r)

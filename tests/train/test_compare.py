@@ -10,7 +10,7 @@ import json
 import pytest
 
 from lrmoe.train import compare
-from lrmoe.train.config import from_dict
+from lrmoe.train.config import ConfigError, from_dict
 from lrmoe.train.metrics import read_metrics
 from tests.helpers.compare import FakeRuns, curve
 from tests.helpers.train import tiny
@@ -97,6 +97,42 @@ def test_dense_evaluation_where_the_target_was_crossed(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text()) == doc
     text = (tmp_path / "report.md").read_text()
     assert "| symi | 25 | (20, 25] | 2.50 | 7.50 | 24.0 / 2.40 |" in text
+
+
+def test_a_strict_target_is_read_off_the_same_runs(tmp_path, monkeypatch):
+    """Targets at steps 25 (4.75) and 45 (4.55) of 50. symi runs to the first (crossed in
+    (20, 30], read densely to 25), then on from that stop to the strict one (crossed in (40, 50],
+    rolled back to its checkpoint of step 40 and read to 45); the dense reading of each is kept."""
+    runs = FakeRuns()
+    monkeypatch.setattr(compare, "launch", runs)
+    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
+    cfg = from_dict({"train": {"steps": 50, "eval_every": 10},
+                     "compare": {"target_fraction": 0.5, "strict_fraction": 0.9, "budget_factor": 2.0}})
+    assert compare.target_steps(cfg) == (25, 45) and compare.reference_eval_at(cfg) == (25, 45)
+    doc = compare.run_compare(cfg, ("static", "symi"), tmp_path)
+    ref, first, dense, on, strict_dense = runs.calls
+    assert ref["eval_at"] == (25, 45) and first["stop_at"] == dense["stop_at"] == curve(25)
+    assert dense["resume"] and dense["eval_at"] == (25, 30)
+    assert on["resume"] and on["stop_at"] == strict_dense["stop_at"] == curve(45) and on["eval_at"] == ()
+    assert strict_dense["resume"] and strict_dense["eval_at"] == (45, 50)
+    strict = doc["strict"]
+    assert strict["target_step"] == 45 and strict["target_loss"] == curve(45) and doc["target_loss"] == curve(25)
+    assert doc["systems"]["symi"]["steps_to_target"] == 25 and strict["systems"]["symi"]["steps_to_target"] == 45
+    assert strict["systems"]["symi"]["moe_time_to_target_s"] == pytest.approx(4.5)
+    assert strict["systems"]["static"]["steps_to_target"] == 45
+    assert doc["details"]["symi"]["dense_eval"]["interval"] == [20, 30]
+    assert strict["details"]["symi"]["dense_eval"] == {"every": 5, "interval": [40, 50], "from_step": 40,
+                                                       "rerun_steps": 5, "rerun_loss_max_abs_diff": 0.0}
+    assert [r["step"] for r in read_metrics(tmp_path / "symi")] == list(range(1, 46))
+    text = (tmp_path / "report.md").read_text()
+    assert "## Strict target: 4.5500, the reference's validation loss at step 45" in text
+    assert "| symi | 45 | (40, 45] | 4.50 |" in text and "| symi | 25 | (20, 25] | 2.50 |" in text
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.5, 1.5])
+def test_a_strict_target_must_come_after_the_target(fraction):
+    with pytest.raises(ConfigError, match="compare.strict_fraction"):
+        from_dict({"compare": {"target_fraction": 0.8, "strict_fraction": fraction}})
 
 
 def test_without_dense_evaluation_the_resolution_is_eval_every(tmp_path, monkeypatch):

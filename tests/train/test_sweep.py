@@ -197,3 +197,25 @@ def test_sweep_over_seeds_aggregates_each_cap_and_names_the_best_exact_system(tm
     report = (tmp_path / "report.md").read_text()
     assert "Best exact system: by MoE time static, by wall time -." in report
     assert "| static | 0/2 (oom at 2) |" in report and (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_a_strict_target_through_a_sweep_over_seeds(tmp_path, monkeypatch):
+    """Each seed's comparison reads both targets off its runs; the seeds' sweep aggregates the
+    strict one beside the standard one (sweep.json's ``strict``, report.md's second part)."""
+    from lrmoe.train.sweep_seeds import run_seed_sweeps
+    from tests.helpers.compare import FakeRuns, curve
+
+    monkeypatch.setattr(compare, "launch", FakeRuns())
+    monkeypatch.setattr(sweep, "launch", compare.launch)
+    monkeypatch.setattr(compare, "plots", lambda *a, **k: None)
+    cfg = from_dict({"train": {"steps": 50, "eval_every": 10}, "budget": {"ranks_per_node": 1},
+                     "compare": {"target_fraction": 0.5, "strict_fraction": 0.9, "budget_factor": 2.0}})
+    doc = run_seed_sweeps(cfg, ("symi",), ["2KB"], (0, 1), tmp_path)
+    assert doc["systems"]["symi"][0]["steps_to_target_mean"] == 25
+    strict = doc["strict"]
+    assert strict["target_step"] == 45 and strict["target_loss"] == pytest.approx((curve(45, 0) + curve(45, 1)) / 2)
+    symi = strict["systems"]["symi"][0]
+    assert symi["steps_to_target_mean"] == 45 and symi["seeds_reached"] == 2
+    one = json.loads((tmp_path / "seed-1" / "sweep.json").read_text())
+    assert one["strict"]["systems"]["symi"][0]["steps_to_target"] == 45
+    assert "# Strict target: the reference's validation loss at step 45" in (tmp_path / "report.md").read_text()

@@ -182,7 +182,8 @@ def test_memory_cap_oom_recorded(pool2, tmp_path):
     results = {name: summarise(name, tmp_path / name, 0.0, c) for name, c in (("static", cap), ("lrmoe", lr_cap))}
     assert results["static"]["status"] == "oom" and results["static"]["oom_step"] == 1
     assert results["lrmoe"]["status"] == "never" and results["lrmoe"]["steps_run"] == 3
-    assert "| static | oom at step 1 |" in report(tmp_path, 0.0, 1.0, results)
+    doc = {"target_loss": 0.0, "unigram_loss": 1.0, "details": results}
+    assert "| static | oom at step 1 |" in report(tmp_path, doc)
 
 
 def test_capped_exact_system_records_its_keep_mode_and_chunks(pool2, tmp_path):

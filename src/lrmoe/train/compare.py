@@ -113,7 +113,8 @@ def interpolate(records: list[dict], target: float, before: dict | None, hit: di
     return float(step), float(np.interp(step, steps, times))
 
 
-def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int] | None = None) -> dict:
+def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int] | None = None,
+              dense: str = "dense_eval") -> dict:
     """One system's results from its ``metrics.jsonl``: when it reached ``target`` (``status``
     ``reached``, ``never`` within its steps, or ``oom``: a call did not fit the memory cap), at
     what resolution (the crossing interval; an interpolated estimate inside it), and totals."""
@@ -125,7 +126,7 @@ def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int
     estimate = interpolate(rows, target, before, hit) if hit else None
     start = before["step"] if before else 0
     summary = folder / "summary.json"
-    dense = json.loads(summary.read_text()).get("dense_eval") if summary.exists() else None
+    dense = json.loads(summary.read_text()).get(dense) if summary.exists() else None
     return {
         "target_bracket": [start, hit["step"]] if hit else None,
         "steps_to_target_resolution": hit["step"] - start if hit else None,
@@ -165,11 +166,11 @@ def target_from_reference(folder: Path, step: int) -> float:
 
 
 def reference_eval_at(cfg: RunConfig) -> tuple[int, ...]:
-    """The reference's evaluations beyond every ``eval_every`` steps: the target's step and, every
+    """The reference's evaluations beyond every ``eval_every`` steps: each target's step and, every
     ``compare.dense_eval_every`` steps, the evaluation interval that ends there."""
-    _, at, _ = budget_steps(cfg)
-    d, start = cfg.compare.dense_eval_every, (at - 1) // cfg.train.eval_every * cfg.train.eval_every
-    return (*(range(start + d, at, d) if d else ()), at)
+    d, every = cfg.compare.dense_eval_every, cfg.train.eval_every
+    return tuple(sorted({s for at in target_steps(cfg)
+                         for s in (*(range((at - 1) // every * every + d, at, d) if d else ()), at)}))
 
 
 def with_dense_checkpoints(cfg: RunConfig) -> RunConfig:
@@ -179,14 +180,15 @@ def with_dense_checkpoints(cfg: RunConfig) -> RunConfig:
     return cfg.with_train(checkpoint_every=t.eval_every) if 0 < d < t.eval_every and not t.checkpoint_every else cfg
 
 
-def refine(cfg: RunConfig, folder: Path, target: float, max_steps: int) -> None:
+def refine(cfg: RunConfig, folder: Path, target: float, max_steps: int, key: str = "dense_eval") -> None:
     """Dense evaluation where the run in ``folder`` crossed ``target``: if its crossing interval
     (the evaluation before the first at or below the target, that one] is wider than
     ``compare.dense_eval_every`` (d), roll the run back to its newest checkpoint at or before the
     interval's start (a fresh start without one) and rerun it to the target with an evaluation
     every d steps in the interval. The rerun's training losses on the steps both runs made are
     compared (``rerun_loss_max_abs_diff``: 0 when the rerun repeats the run exactly) and kept
-    with the interval in ``summary.json``'s ``dense_eval``."""
+    with the interval in ``summary.json``'s ``key`` (``dense_eval``; ``dense_eval_strict`` for the
+    strict target)."""
     d = cfg.compare.dense_eval_every
     records = read_metrics(folder)
     found = crossing(records, target)
@@ -203,21 +205,52 @@ def refine(cfg: RunConfig, folder: Path, target: float, max_steps: int) -> None:
     if resume_at and lead:
         atomic_write(folder / "ckpt" / "latest", lambda f: f.write(str(resume_at).encode()))
     first = {r["step"]: r["loss"] for r in records if "loss" in r and "oom" not in r}
-    summary = launch(cfg, folder, resume=resume_at > 0, max_steps=max_steps, stop_at=target,
-                     eval_at=(*range(start + d, end, d), end))
+    summary = relaunch(cfg, folder, resume=resume_at > 0, max_steps=max_steps, stop_at=target,
+                       eval_at=(*range(start + d, end, d), end))
     again = {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r and "oom" not in r}
     both = [s for s in again if resume_at < s <= end and s in first]
-    summary["dense_eval"] = {"every": d, "interval": [start, end], "from_step": resume_at, "rerun_steps": len(both),
-                             "rerun_loss_max_abs_diff": max((abs(again[s] - first[s]) for s in both), default=None)}
+    summary[key] = {"every": d, "interval": [start, end], "from_step": resume_at, "rerun_steps": len(both),
+                    "rerun_loss_max_abs_diff": max((abs(again[s] - first[s]) for s in both), default=None)}
     if lead:
         (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def relaunch(cfg: RunConfig, folder: Path, **kw) -> dict:
+    """:func:`launch` again in ``folder`` (a rerun or a run continued), keeping the dense
+    evaluations that earlier refinements noted in its ``summary.json``."""
+    path = folder / "summary.json"
+    kept = {k: v for k, v in json.loads(path.read_text()).items() if k.startswith("dense_eval")} \
+        if path.exists() else {}
+    summary = {**launch(cfg, folder, **kw), **kept}
+    if kept and current_rendezvous().prepares_out:
+        path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def run_on(cfg: RunConfig, folder: Path, target: float, max_steps: int) -> None:
+    """Continue a run stopped at an earlier target to ``target`` (a stricter one), from its
+    newest checkpoint, and read its crossing densely (:func:`refine`); nothing where it ran out
+    of steps or memory, or already reached ``target``."""
+    rows = [r for r in read_metrics(folder) if "oom" not in r]
+    done = len(rows) < len(read_metrics(folder)) or not rows or rows[-1]["step"] >= max_steps
+    if done or crossing(rows, target) is not None:
+        return
+    print(f"-- {folder.name}: on to the strict target", flush=True)
+    relaunch(cfg, folder, resume=True, max_steps=max_steps, stop_at=target)
+    refine(cfg, folder, target, max_steps, key="dense_eval_strict")
 
 
 def budget_steps(cfg: RunConfig) -> tuple[int, int, int]:
     """(the reference's steps, the step whose validation loss is the target, the others' step cap)."""
     steps = cfg.train.steps
-    at = max(1, round(cfg.compare.target_fraction * steps))
-    return steps, at, math.ceil(cfg.compare.budget_factor * steps)
+    return steps, target_steps(cfg)[0], math.ceil(cfg.compare.budget_factor * steps)
+
+
+def target_steps(cfg: RunConfig) -> tuple[int, ...]:
+    """The reference's steps whose validation losses are the targets: ``target_fraction``'s and,
+    with ``strict_fraction``, the strict target's."""
+    fractions = (cfg.compare.target_fraction, *((cfg.compare.strict_fraction,) if cfg.compare.strict_fraction else ()))
+    return tuple(max(1, round(f * cfg.train.steps)) for f in fractions)
 
 
 def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: bool = False,
@@ -254,19 +287,28 @@ def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: boo
     else:
         summary = run(ref, ref_run, system_config(uncapped, ref, trace), eval_at=reference_eval_at(cfg))
     target = cfg.compare.target_loss or target_from_reference(out / ref_run, target_step)
+    strict_step = target_steps(cfg)[1:]
+    strict = target_from_reference(out / ref_run, strict_step[0]) if strict_step else None
     others = [n for n in systems if n != ref_run and not (cap is None and n == ref)]
     for name in others:
         run_cfg = with_dense_checkpoints(system_config(cfg, name, trace))
         run(name, name, run_cfg, max_steps=max_steps, stop_at=target)
         refine(run_cfg, out / name, target, max_steps)
+        if strict is not None:
+            run_on(run_cfg, out / name, strict, max_steps)
     names = [ref_run, *others]
-    results = {name: summarise(name, out / name, target, None if name == ref_run else cap) for name in names}
-    doc = {"target_loss": target, "unigram_loss": summary["unigram_loss"],
-           "systems": {n: {k: r[k] for k in RESULT_KEYS} for n, r in results.items()},
-           "details": results}
+
+    def document(loss: float, dense: str) -> dict:
+        results = {name: summarise(name, out / name, loss, None if name == ref_run else cap, dense) for name in names}
+        return {"target_loss": loss, "unigram_loss": summary["unigram_loss"],
+                "systems": {n: {k: r[k] for k in RESULT_KEYS} for n, r in results.items()}, "details": results}
+
+    doc = document(target, "dense_eval")
+    if strict is not None:
+        doc["strict"] = {"target_step": strict_step[0], **document(strict, "dense_eval_strict")}
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     (out / "config.toml").write_text(dump_toml(cfg.to_dict()))
-    print(report(out, target, summary["unigram_loss"], results))
+    print(report(out, doc))
     plots(out, names, target)
     print(f"report: {out}/report.md  plots: {out}/val_loss_vs_moe_time.png, kept_ratio.png, expert_load.png")
     return doc

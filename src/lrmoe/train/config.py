@@ -112,6 +112,9 @@ def parse_system_name(name: str) -> SystemName:
 class CompareConfig:
     systems: tuple[str, ...] = COMPARE_DEFAULT
     target_fraction: float = 0.8  # static's validation loss at this share of its steps is the target
+    # a second, strict target (0: none): the reference's loss at this later share of its steps;
+    # every system runs on to it and both targets are read off the same runs
+    strict_fraction: float = 0.0
     budget_factor: float = 1.5  # the others may run this many times static's steps
     target_loss: float | None = None  # a given target instead
     reference: str = REFERENCE_SYSTEM  # the target's run: this system, without the memory cap
@@ -132,6 +135,9 @@ class CompareConfig:
                 raise ConfigError(f"compare.systems={list(self.systems)!r}: {e}") from None
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(f"compare.target_fraction={self.target_fraction} is invalid: expected (0, 1]")
+        if self.strict_fraction and not self.target_fraction < self.strict_fraction <= 1:
+            raise ConfigError(f"compare.strict_fraction={self.strict_fraction} is invalid: expected 0 (no strict "
+                              f"target) or in (target_fraction={self.target_fraction}, 1]")
         if not self.budget_factor >= 1:
             raise ConfigError(f"compare.budget_factor={self.budget_factor} is invalid: expected >= 1")
 

@@ -42,9 +42,11 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "-" if value is None or not base else f"{value / base:.3f}×"
 
 
-def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -> str:
-    """Write ``report.md``, one table row per system and the :func:`breakdown` against the
-    replicated baseline (when it reached the target), and return its text for the terminal."""
+def report(out: Path, doc: dict) -> str:
+    """Write ``report.md`` for ``lrmoe compare``'s results document: one table row per system and
+    the :func:`breakdown` against the replicated baseline (when it reached the target), and the
+    same for the strict target where there is one; return its text for the terminal."""
+    target, unigram = doc["target_loss"], doc["unigram_loss"]
     lines = [
         "# lrmoe compare", "",
         f"Target validation loss: **{target:.4f}** (unigram loss of the corpus: {unigram:.4f}; "
@@ -54,6 +56,20 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
         "straight line between those two evaluations meets the target, an estimate.", "",
         "*MoE time*: the routed layers' forward, backward and placement; *wall time*: the whole training "
         "steps' (evaluations and checkpoints excluded).", "",
+        *table(doc["details"]), "", *breakdown(doc["details"])]
+    if "strict" in doc:
+        strict = doc["strict"]
+        lines += [f"## Strict target: {strict['target_loss']:.4f}, the reference's validation loss at step "
+                  f"{strict['target_step']}", "", *table(strict["details"]), "", *breakdown(strict["details"])]
+    lines += ["Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def table(systems: dict[str, dict]) -> list[str]:
+    """One Markdown table row per system of a results document's ``details``."""
+    lines = [
         "| system | steps to target | crossed in | MoE time to target (s) | wall time to target (s) | "
         "interpolated: steps / MoE s | final val loss | steps run | a2a bytes / step | "
         "bwd a2a bytes / step | peak expert-side bytes | memory cap | replica slots | mean kept ratio | "
@@ -82,10 +98,7 @@ def report(out: Path, target: float, unigram: float, systems: dict[str, dict]) -
             f"{fmt(r['mean_kept_ratio'], '.3f')} | {r['placement_bytes']:,} | "
             f"{fmt(r.get('moe_ms_per_step'), '.1f')} | {fmt(r.get('wall_ms_per_step'), '.1f')} | "
             f"{fmt(r.get('mean_load_cv'), '.2f')} |")
-    lines += ["", *breakdown(systems), "Plots: `val_loss_vs_moe_time.png`, `kept_ratio.png`, `expert_load.png`.", ""]
-    text = "\n".join(lines)
-    (out / "report.md").write_text(text)
-    return text
+    return lines
 
 
 def mean_range(r: dict, key: str, spec: str) -> str:

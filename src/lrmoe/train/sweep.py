@@ -103,14 +103,24 @@ def run_sweep(cfg: RunConfig, systems: tuple[str, ...], caps: list[str], out: Pa
         print(f"== cap {label}: {cap:,} bytes per rank ({cap / max(peak, 1):.2f}x {ref}'s uncapped peak)", flush=True)
         docs.append(run_compare(_with_cap(cfg, cap), systems, folder, resume=resume, reference_done=True))
         points.append({"label": label, "memory_cap_bytes": cap, "folder": folder.name})
-    names = [n for n in dict.fromkeys(n for d in docs for n in d["systems"]) if n != ref_run]
-    doc = {"target_loss": docs[0]["target_loss"], "reference_peak_bytes": peak, "caps": points,
-           "reference": {"name": ref_run, **docs[0]["systems"][ref_run]},
-           "systems": {n: [d["systems"].get(n) for d in docs] for n in names}}
+    doc = sweep_document(docs, ref_run, peak, points)
     (out / "sweep.json").write_text(json.dumps(doc, indent=2))
     print(sweep_table(doc))
     plot_sweep(doc, out / "sweep.png")
     print(f"sweep: {out}/sweep.json, {out}/sweep.png; each cap's comparison in {out}/cap-*/")
+    return doc
+
+
+def sweep_document(docs: list[dict], ref_run: str, peak: int, points: list[dict]) -> dict:
+    """The caps' results documents (``docs``, one per cap in ``points``) as one sweep document,
+    with ``strict`` the same of their strict targets' where they have one."""
+    names = [n for n in dict.fromkeys(n for d in docs for n in d["systems"]) if n != ref_run]
+    doc = {"target_loss": docs[0]["target_loss"], "reference_peak_bytes": peak, "caps": points,
+           "reference": {"name": ref_run, **docs[0]["systems"][ref_run]},
+           "systems": {n: [d["systems"].get(n) for d in docs] for n in names}}
+    if all("strict" in d for d in docs):
+        doc["strict"] = {"target_step": docs[0]["strict"]["target_step"],
+                         **sweep_document([d["strict"] for d in docs], ref_run, peak, points)}
     return doc
 
 
@@ -235,11 +245,15 @@ def aggregate(docs: dict[int, dict]) -> dict:
     names = list(dict.fromkeys(n for d in docs.values() for n in d["systems"]))
     systems = {n: seed_entry([d["systems"][n] for d in docs.values() if n in d["systems"]]) for n in names}
     targets = [d["target_loss"] for d in docs.values()]
-    return {"seeds": list(docs), "target_loss": statistics.fmean(targets),
-            "target_losses": {str(s): d["target_loss"] for s, d in docs.items()},
-            "unigram_loss": next(iter(docs.values()))["unigram_loss"], "systems": systems,
-            "per_seed": {str(s): d["systems"] for s, d in docs.items()},
-            "folders": {str(s): f"seed-{s}" for s in docs}}
+    doc = {"seeds": list(docs), "target_loss": statistics.fmean(targets),
+           "target_losses": {str(s): d["target_loss"] for s, d in docs.items()},
+           "unigram_loss": next(iter(docs.values()))["unigram_loss"], "systems": systems,
+           "per_seed": {str(s): d["systems"] for s, d in docs.items()},
+           "folders": {str(s): f"seed-{s}" for s in docs}}
+    if all("strict" in d for d in docs.values()):
+        doc["strict"] = {"target_step": next(iter(docs.values()))["strict"]["target_step"],
+                         **aggregate({s: d["strict"] for s, d in docs.items()})}
+    return doc
 
 
 def run_seeds(cfg: RunConfig, systems: tuple[str, ...], seeds: tuple[int, ...], out: Path,

@@ -69,10 +69,14 @@ def aggregate_sweeps(docs: dict[int, dict]) -> dict:
     best = [{"moe": _best({n: rows[i] for n, rows in systems.items()}, "moe_time_to_target_s"),
              "wall": _best({n: rows[i] for n, rows in systems.items()}, "wall_time_to_target_s")}
             for i in range(len(caps))]
-    return {"seeds": seeds, "target_loss": statistics.fmean(d["target_loss"] for d in docs.values()),
-            "reference_peak_bytes": statistics.fmean(d["reference_peak_bytes"] for d in docs.values()),
-            "reference": {"name": first["reference"]["name"], **seed_entry(refs)}, "caps": caps,
-            "systems": systems, "best_exact": best, "folders": {str(s): f"seed-{s}" for s in seeds}}
+    doc = {"seeds": seeds, "target_loss": statistics.fmean(d["target_loss"] for d in docs.values()),
+           "reference_peak_bytes": statistics.fmean(d["reference_peak_bytes"] for d in docs.values()),
+           "reference": {"name": first["reference"]["name"], **seed_entry(refs)}, "caps": caps,
+           "systems": systems, "best_exact": best, "folders": {str(s): f"seed-{s}" for s in seeds}}
+    if all("strict" in d for d in docs.values()):
+        doc["strict"] = {"target_step": first["strict"]["target_step"],
+                         **aggregate_sweeps({s: d["strict"] for s, d in docs.items()})}
+    return doc
 
 
 def seed_sweep_table(doc: dict) -> str:
@@ -82,7 +86,16 @@ def seed_sweep_table(doc: dict) -> str:
     lines = [f"# lrmoe compare, cap sweep over seeds {', '.join(map(str, doc['seeds']))}", "",
              "Each seed against its own uncapped reference (its target and, for a fraction cap, its peak). "
              "Ratios: the mean over seeds of MoE (wall) ms a step ÷ that seed's reference's. Times and steps "
-             "to target: mean [min–max] over the seeds that reached it.", ""]
+             "to target: mean [min–max] over the seeds that reached it.", "", *_cap_tables(doc)]
+    if "strict" in doc:
+        strict = doc["strict"]
+        lines += [f"# Strict target: the reference's validation loss at step {strict['target_step']} "
+                  f"({strict['target_loss']:.4f}, mean over seeds)", "", *_cap_tables(strict)]
+    return "\n".join(lines)
+
+
+def _cap_tables(doc: dict) -> list[str]:
+    lines = []
     for i, cap in enumerate(doc["caps"]):
         best = doc["best_exact"][i]
         lines += [f"## cap {cap['label']} ({cap['memory_cap_bytes'] / 1e6:.1f} MB a rank, "
@@ -103,7 +116,7 @@ def seed_sweep_table(doc: dict) -> str:
                                                                   ("steps_to_target", ".1f"))]
             lines.append(f"| {name} | {reached} | {moe} | {wall} | " + " | ".join(spans) + " |")
         lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def run_seed_sweeps(cfg: RunConfig, systems: tuple[str, ...], caps: list[str], seeds: tuple[int, ...], out: Path,
