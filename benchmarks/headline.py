@@ -6,13 +6,18 @@ split into a steps ratio × a MoE-time-per-step ratio, over seeds.
     python benchmarks/headline.py --cap 0.65x=runs/cap0.65 --cap roomy=runs/roomy --out runs/headline
 
 Each ``--cap LABEL=FOLDER[,FOLDER...]`` names ``lrmoe compare --seeds`` outputs at one cap (every
-``seed-<s>/results*.json`` of them merged; a later folder's entry of a system wins). Per cap and
-system: the seeds that reached the target, mean steps and MoE time to target and their spread.
+``seed-<s>/results*.json`` of them merged, or a cap sweep's ``seed-<s>/cap-LABEL/results*.json``;
+a later folder's entry of a system wins). Per cap and system: the seeds that reached the target,
+mean steps and MoE time to target and their spread. ``--target strict`` reads the strict target
+(``compare.strict_fraction``: results.json's ``strict``) instead of the standard one.
 The best exact system at a cap is the exact one (every pair's gradient, no drop in the forward:
 static, static-recompute and the replication family) with the least mean MoE time to target
 among those that reached it at every seed (the uncapped reference only where its peak fit the
 cap); ``--lrmoe`` names the lrmoe row compared (default ``lrmoe``), ``--dropping`` the
-forward-dropping one (``capacity``).
+forward-dropping ones (``capacity``; several, e.g. ``capacity@1.0,capacity@1.25,capacity@1.5``:
+the best is the one with the least mean MoE time to target among those that reached it at every
+seed, dropping at its best factor) and ``--versus`` other systems lrmoe is compared with
+(``symi``: the issue's replication baseline).
 
 Wall time beside MoE time: each run's ``wall_time_to_target_s`` (the training steps' wall time to
 the target, evaluations and checkpoints excluded; missing from runs made before compare wrote it),
@@ -43,16 +48,21 @@ def is_exact(name: str) -> bool:
     return spec.backward.value in EXACT_BACKWARDS and not spec.forward_drop
 
 
-def per_seed(folders: list[Path]) -> dict[int, dict[str, dict]]:
-    """{seed: {system: results.json's entry}} of one ``lrmoe compare --seeds`` output; a seed's
-    ``results*.json`` are merged (a later compare into the same folder with ``--resume`` and other
-    systems rewrites ``results.json``: keep the earlier one as ``results-<tag>.json``)."""
+def per_seed(folders: list[Path], label: str = "", target: str = "standard") -> dict[int, dict[str, dict]]:
+    """{seed: {system: results.json's entry}} of one ``lrmoe compare --seeds`` output (or the cap
+    ``label``'s folder of a cap sweep over seeds); a seed's ``results*.json`` are merged (a later
+    compare into the same folder with ``--resume`` and other systems rewrites ``results.json``: keep
+    the earlier one as ``results-<tag>.json``). ``target="strict"``: their strict target's entries."""
     out: dict[int, dict[str, dict]] = {}
     for folder in folders:
         for sub in sorted(folder.glob("seed-*")):
+            paths = sorted(sub.glob("results*.json")) or sorted((sub / f"cap-{label}").glob("results*.json"))
             merged = out.setdefault(int(sub.name.removeprefix("seed-")), {})
-            for path in sorted(sub.glob("results*.json")):
-                merged.update(json.loads(path.read_text())["systems"])
+            for path in paths:
+                doc = json.loads(path.read_text())
+                if target == "strict" and "strict" not in doc:
+                    raise SystemExit(f"{path}: no strict target (run lrmoe compare with compare.strict_fraction)")
+                merged.update((doc["strict"] if target == "strict" else doc)["systems"])
     if not out:
         raise SystemExit(f"{', '.join(map(str, folders))}: no seed-*/results.json (lrmoe compare --seeds outputs)")
     return out
@@ -80,7 +90,8 @@ def summary(seeds: dict[int, dict[str, dict]], name: str) -> dict:
                              "status": r["status"]} for s, r in rows.items()}}
 
 
-def compare_cap(seeds: dict[int, dict[str, dict]], lrmoe: str, dropping: str) -> dict:
+def compare_cap(seeds: dict[int, dict[str, dict]], lrmoe: str, dropping: str | tuple[str, ...],
+                versus: tuple[str, ...] = ()) -> dict:
     names = sorted({n for doc in seeds.values() for n in doc})
     systems = {n: summary(seeds, n) for n in names}
     every = set(seeds)
@@ -94,8 +105,13 @@ def compare_cap(seeds: dict[int, dict[str, dict]], lrmoe: str, dropping: str) ->
     best = min(exact, key=lambda n: systems[n]["moe_time_s"]["mean"], default=None)
     walled = [n for n in exact if systems[n]["wall_time_s"]]
     best_wall = min(walled, key=lambda n: systems[n]["wall_time_s"]["mean"], default=None)
-    out = {"systems": systems, "best_exact": best, "best_exact_wall": best_wall, "exact_candidates": exact}
-    for label, other in (("vs_best_exact", best), ("vs_best_exact_wall", best_wall), ("vs_dropping", dropping)):
+    drops = [n for n in ((dropping,) if isinstance(dropping, str) else dropping)
+             if n in systems and set(systems[n]["seeds_reached"]) == every]
+    best_drop = min(drops, key=lambda n: systems[n]["moe_time_s"]["mean"], default=None)
+    out = {"systems": systems, "best_exact": best, "best_exact_wall": best_wall, "exact_candidates": exact,
+           "best_dropping": best_drop}
+    for label, other in (("vs_best_exact", best), ("vs_best_exact_wall", best_wall), ("vs_dropping", best_drop),
+                         *((f"vs_{n}", n) for n in versus)):
         a, b = systems.get(lrmoe), systems.get(other) if other else None
         if a and b and a["steps"] and b["steps"]:
             out[label] = ratios(a, b, other)
@@ -135,7 +151,7 @@ def table(doc: dict) -> str:
     lines += ["", "| cap | lrmoe vs | MoE time to target | = steps × per step | wall time to target | per seed (MoE) |",
               "|---|---|---|---|---|---|"]
     for cap, c in doc["caps"].items():
-        for label in ("vs_best_exact", "vs_best_exact_wall", "vs_dropping"):
+        for label in [k for k in c if k.startswith("vs_")]:
             v = c.get(label)
             if v and not (label == "vs_best_exact_wall" and v["system"] == c["best_exact"]):
                 seeds = ", ".join(f"{t:.3f}" for t in v["per_seed_time_ratio"].values())
@@ -159,7 +175,7 @@ def _panel(ax, doc: dict, lrmoe: str, key: str, ylabel: str) -> None:
     for j, (role, color) in enumerate(ROLES):
         for i, cap in enumerate(caps):
             c = doc["caps"][cap]
-            name = {"best exact": c[best_key], "lrmoe": lrmoe, "capacity": doc["dropping"]}[role]
+            name = {"best exact": c[best_key], "lrmoe": lrmoe, "capacity": c["best_dropping"]}[role]
             r = c["systems"].get(name) if name else None
             if not r or not r[key]:
                 continue
@@ -186,7 +202,7 @@ def _panel(ax, doc: dict, lrmoe: str, key: str, ylabel: str) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
-def plot(doc: dict, path: Path, lrmoe: str) -> None:
+def plot(doc: dict, path: Path, lrmoe: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,7 +213,7 @@ def plot(doc: dict, path: Path, lrmoe: str) -> None:
     _panel(axes[0][0], doc, lrmoe, "moe_time_s", "MoE time to target (s)")
     if walls:
         _panel(axes[0][1], doc, lrmoe, "wall_time_s", "wall time to target (s): the training steps")
-    fig.suptitle("Time to the target loss (configs/paper.toml, 2 CPU ranks; bars: mean, dots: seeds)", fontsize=10)
+    fig.suptitle(f"Time to the target loss ({title}; bars: mean, dots: seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -208,7 +224,10 @@ def main() -> None:
     ap.add_argument("--cap", action="append", required=True,
                     help="LABEL=FOLDER[,FOLDER...]: lrmoe compare --seeds outputs at one cap")
     ap.add_argument("--lrmoe", default="lrmoe")
-    ap.add_argument("--dropping", default="capacity")
+    ap.add_argument("--dropping", default="capacity", help="forward-dropping systems, comma-separated: the best")
+    ap.add_argument("--versus", default="", help="other systems to compare lrmoe with, comma-separated (symi)")
+    ap.add_argument("--target", choices=("standard", "strict"), default="standard")
+    ap.add_argument("--title", default="configs/paper.toml, 2 CPU ranks", help="the plot's config, in words")
     ap.add_argument("--out", default="runs/headline")
     args = ap.parse_args()
     caps = {}
@@ -216,13 +235,15 @@ def main() -> None:
         label, sep, folder = entry.partition("=")
         if not sep:
             raise SystemExit(f"--cap {entry!r}: expected LABEL=FOLDER")
-        caps[label] = compare_cap(per_seed([Path(f) for f in folder.split(",")]), args.lrmoe, args.dropping)
-    doc = {"lrmoe": args.lrmoe, "dropping": args.dropping, "caps": caps}
+        seeds = per_seed([Path(f) for f in folder.split(",")], label, args.target)
+        caps[label] = compare_cap(seeds, args.lrmoe, tuple(args.dropping.split(",")),
+                                  tuple(n for n in args.versus.split(",") if n))
+    doc = {"lrmoe": args.lrmoe, "dropping": args.dropping, "target": args.target, "caps": caps}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "headline.json").write_text(json.dumps(doc, indent=2))
     print(table(doc))
-    plot(doc, out / "headline.png", args.lrmoe)
+    plot(doc, out / "headline.png", args.lrmoe, f"{args.title}, {args.target} target")
     print(f"wrote {out}/headline.json and headline.png")
 
 

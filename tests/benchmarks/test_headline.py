@@ -88,3 +88,28 @@ def test_wall_time_beside_moe_time(headline, tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "| 0.65x | static (best exact by wall) |" in text and "| 0.950× |" in text
     assert (out / "headline.png").stat().st_size > 0
+
+
+def test_dropping_at_its_best_factor_symi_beside_and_the_strict_target_of_a_cap_sweep(headline, tmp_path):
+    """A cap sweep's layout (seed-<s>/cap-LABEL/results.json): the best capacity factor is the
+    one with the least mean MoE time that reached the target at every seed (1.0 missed one);
+    ``--target strict`` reads results.json's ``strict``."""
+    for seed in (0, 1):
+        sub = tmp_path / f"seed-{seed}" / "cap-0.65x"
+        sub.mkdir(parents=True)
+        standard = {"static": entry(160, 80.0), "symi": entry(160, 90.0), "lrmoe": entry(165, 60.0),
+                    "capacity@1.0": entry(170 if seed else None, 40.0 if seed else None),
+                    "capacity@1.25": entry(165, 50.0), "capacity@1.5": entry(160, 55.0)}
+        strict = {**standard, "lrmoe": entry(200, 75.0), "capacity@1.25": entry(205, 70.0)}
+        (sub / "results.json").write_text(json.dumps({"systems": standard, "strict": {"systems": strict}}))
+    drops = ("capacity@1.0", "capacity@1.25", "capacity@1.5")
+    cap = headline.compare_cap(headline.per_seed([tmp_path], "0.65x"), "lrmoe", drops, ("symi",))
+    assert cap["best_dropping"] == "capacity@1.25" and cap["vs_dropping"]["time_ratio"] == pytest.approx(1.2)
+    assert cap["vs_symi"]["time_ratio"] == pytest.approx(60 / 90)
+    strict = headline.compare_cap(headline.per_seed([tmp_path], "0.65x", "strict"), "lrmoe", drops, ("symi",))
+    assert strict["best_dropping"] == "capacity@1.5" and strict["vs_dropping"]["time_ratio"] == pytest.approx(75 / 55)
+    assert strict["vs_best_exact"]["steps_ratio"] == pytest.approx(200 / 160)
+    (tmp_path / "seed-2").mkdir()
+    (tmp_path / "seed-2" / "results.json").write_text(json.dumps({"systems": {}}))
+    with pytest.raises(SystemExit, match="no strict target"):
+        headline.per_seed([tmp_path], "0.65x", "strict")
