@@ -133,8 +133,10 @@ def run_ranks(fn: Callable, world: int, args) -> list:
 
 def selection_variant(label: str) -> dict:
     """``sampled^1`` → {"selection": "sampled", "score_power": 1.0}; ``lrm`` → {"selection": "lrm"};
-    ``local-sampled^0.5/0.1`` → also {"p_min": 0.1}: the BackwardConfig fields a study label stands for."""
+    ``local-sampled^0.5/0.1`` → also {"p_min": 0.1}; a ``+cv`` suffix → also {"control_variate":
+    True}: the BackwardConfig fields a study label stands for."""
+    label, cv, _ = label.partition("+cv")
     name, _, tail = label.partition("^")
     power, _, floor = tail.partition("/")
     return {"selection": name, **({"score_power": float(power)} if power else {}),
-            **({"p_min": float(floor)} if floor else {})}
+            **({"p_min": float(floor)} if floor else {}), **({"control_variate": True} if cv else {})}

@@ -167,6 +167,11 @@ class BackwardConfig:
     ``ratio``, memory and the network still cap it; ``min_ratio`` and ``drop_cost`` are not read,
     ``trim_after`` and ``min_ratio_after`` are refused with it. The noise priced is a local-sampled
     draw's, whatever the selection: an ablation's selection keeps the same quotas.
+    ``control_variate``: the dropped pairs' share of the expert weight gradients estimated by a
+    control variate (:mod:`lrmoe.passes.control`): each expert side's mean x, h and SwiGLU
+    derivatives over its forward rows stand in for every pair, the kept pairs' 1/π-weighted
+    residuals correct them, unbiased; the scores (and the noise objective's pricing) are then
+    the residuals'. One row of D a (source, slot) goes on the wire.
     """
 
     selection: str = "local-sampled"
@@ -184,6 +189,7 @@ class BackwardConfig:
     warm_balance: float | None = None
     min_ratio_after: tuple[tuple[int, Floor], ...] = ()
     noise_threshold: float = 0.1  # docs/convergence.md "The noise objective": chosen on seeds 0-2
+    control_variate: bool = False
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -215,6 +221,8 @@ class BackwardConfig:
         if isinstance(self.trim_after, bool) or not isinstance(self.trim_after, int) or self.trim_after < 0:
             raise bad("trim_after", self.trim_after, "expected an integer >= 0 (optimizer steps before trimming)")
         fraction("warm_ratio", self.warm_ratio)
+        if not isinstance(self.control_variate, bool):
+            raise bad("control_variate", self.control_variate, "expected true or false")
         object.__setattr__(self, "min_ratio_after", step_ratios("min_ratio_after", self.min_ratio_after))
 
     def at_step(self, steps: int) -> BackwardConfig:

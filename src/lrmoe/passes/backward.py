@@ -19,6 +19,7 @@ from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.replicas import PendingGrads
 from lrmoe.passes.backward_rows import BackwardRows, DyRows, Kept
+from lrmoe.passes.control import add_control, dropped_mass
 from lrmoe.passes.record import CallRecord
 from lrmoe.systems import PlacementKind
 
@@ -43,12 +44,18 @@ def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, we
     kept = call.selector.select(call, g_TD, weights_TK, h_sq_P, channel)
     rows = call.path.rows(call, kept, channel)
     factor_P = call.path.factor(weights_TK.reshape(-1), kept)
+    control, c_LD = call.saved.control, None
+    if control is not None and kept.keep_P is not None:  # (every rank alike: both are the plan's)
+        c_LD = dropped_mass(call, g_TD, weights_TK, kept, channel)
     select_ms = (time.perf_counter() - t_select) * 1e3
     clock.lap("bwd_select")
 
     dy_RD, rows_RD = call.path.dispatch(call, DyRows(g_TD, factor_P, K), x_TD, rows, channel)
     clock.lap("bwd_dispatch")  # (the saved rows' compaction, inside it, laps apart)
+    down_slots = (call.saved.slot_weights or (gate_up, down))[1]
     dx_RD, dgate_up, ddown = call.path.compute(call, dy_RD, rows_RD, rows, gate_up, down, channel)
+    if c_LD is not None:  # the dropped pairs' share, from the variate's means
+        add_control(dgate_up, ddown, down_slots, control, c_LD)
     clock.lap("bwd_compute")
     del rows_RD, dy_RD
     dx_TD, dgate_up, ddown = give_back(call, dx_RD, dgate_up, ddown, x_TD, rows, (gate_up, down), channel)

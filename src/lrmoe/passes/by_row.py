@@ -19,7 +19,7 @@ from lrmoe import experts
 from lrmoe.memory.bytes import GATE_UP, KEEP_X_ACTS, RowSplit
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.passes.saved import KeptParts
-from lrmoe.selection.scores import squared_norms
+from lrmoe.selection.scores import score_norms
 
 # (row, F) activations a part computes a chunk at a time, forward and backward (x alone: all four)
 RECOMPUTED = {KEEP_X_ACTS: 0, GATE_UP: 2}
@@ -32,9 +32,10 @@ def _ffn_bytes(down: experts.Slots, like: torch.Tensor) -> int:
 
 def forward_by_row(rows_RD: torch.Tensor, gate_up: experts.Slots, down: experts.Slots, counts_L: torch.Tensor,
                    split: RowSplit, chunk: int, y_RD: torch.Tensor, h_sq_R: torch.Tensor | None,
-                   meter: MemoryMeter) -> KeptParts:
-    """y of every received row into ``y_RD`` (and ‖h‖² into ``h_sq_R`` where given); returns
-    what the parts keep beyond x, held on the meter."""
+                   meter: MemoryMeter, h_mean_LF: torch.Tensor | None = None) -> KeptParts:
+    """y of every received row into ``y_RD`` (and the scores' ‖h‖², or ‖h − h̄‖² with a control
+    variate's means ``h_mean_LF``, into ``h_sq_R`` where given); returns what the parts keep
+    beyond x, held on the meter."""
     acts = gate_up_kept = None
     act = _ffn_bytes(down, rows_RD)
     for kind, lo, hi in split.spans(rows_RD.shape[0]):
@@ -43,7 +44,7 @@ def forward_by_row(rows_RD: torch.Tensor, gate_up: experts.Slots, down: experts.
             _, acts = experts.expert_forward(rows_RD[lo:hi], gate_up, down, counts, y_out=y_RD[lo:hi])
             meter.hold(*acts.values())
             if h_sq_R is not None:
-                h_sq_R[lo:hi] = squared_norms(acts["h"])
+                h_sq_R[lo:hi] = score_norms(acts["h"], counts, h_mean_LF)
             continue
         if kind == GATE_UP:
             gate_up_kept = experts.gate_up_forward(rows_RD[lo:hi], gate_up, counts)
@@ -57,7 +58,7 @@ def forward_by_row(rows_RD: torch.Tensor, gate_up: experts.Slots, down: experts.
             else:
                 h = experts.expert_forward(rows_RD[lo + a : lo + b], gate_up, down, part, y_out=y_out)[1]["h"]
             if h_sq_R is not None:
-                h_sq_R[lo + a : lo + b] = squared_norms(h)
+                h_sq_R[lo + a : lo + b] = score_norms(h, part, h_mean_LF)
     return KeptParts(split, acts, gate_up_kept)
 
 

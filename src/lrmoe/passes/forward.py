@@ -25,11 +25,12 @@ from lrmoe.parallel.dispatch import Message, to_experts, to_home, to_home_with_n
 from lrmoe.parallel.rows import row_layout
 from lrmoe.passes import row_paths
 from lrmoe.passes.by_row import forward_by_row
+from lrmoe.passes.control import control_means
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import forward_in_rounds
 from lrmoe.planning.cost import ADAM_STATES
 from lrmoe.selection.global_selection import select
-from lrmoe.selection.scores import squared_norms
+from lrmoe.selection.scores import score_norms
 from lrmoe.systems import PlacementKind
 
 
@@ -179,11 +180,15 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
     h_sq_R = norms.extra if norms is not None else (
         torch.empty(R, dtype=torch.float64, device=rows_RD.device) if selective else None)
     split = None if call.plan.split_R is None else call.plan.split_R[call.layer.rank]
+    h_mean_LF = None
+    if selective and call.layer.backward.control_variate:  # the variate's means, before the scores need h̄
+        call.saved.control = control_means(rows_RD, weights.gate_up, rows.slot_counts)
+        h_mean_LF = call.saved.control.h_LF
     if split is not None or chunk < R:  # by the row, or x alone in chunks (nothing kept but x)
         y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
         meter.hold(y_RD, h_sq_R)
         kept = forward_by_row(rows_RD, weights.gate_up, weights.down, rows.slot_counts, split or RowSplit(0), chunk,
-                              y_RD, h_sq_R, meter)
+                              y_RD, h_sq_R, meter, h_mean_LF)
         if split is not None:  # (its backward goes part by part)
             call.saved.by_row = kept
         acts = None
@@ -192,7 +197,7 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
                                             y_out=None if norms is None else norms.rows)
         meter.hold(y_RD, *acts.values(), h_sq_R)
         if selective:
-            h_sq_R.copy_(squared_norms(acts["h"]))
+            h_sq_R.copy_(score_norms(acts["h"], rows.slot_counts, h_mean_LF))
     if selective and norms is None:  # a row's bytes would misalign the value: y and ‖h‖² copied into one
         norms = Message.of(y_RD, h_sq_R)
     return y_RD, norms, acts

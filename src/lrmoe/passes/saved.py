@@ -41,6 +41,7 @@ class Saved:
     slot_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # concatenated or assembled slot weights
     in_place: InPlace | None = None  # the backward compacted its kept rows in place (lrmoe.passes.compaction)
     by_row: KeptParts | None = None  # a call keeping by the row: its parts beyond x
+    control: object | None = None  # the slots' means of a control variate (lrmoe.passes.control.ControlMeans)
 
     def clear(self) -> None:
-        self.rows_RD = self.acts = self.slot_weights = self.in_place = self.by_row = None
+        self.rows_RD = self.acts = self.slot_weights = self.in_place = self.by_row = self.control = None

@@ -39,6 +39,16 @@ def scaled_squared_norms(x_RD: torch.Tensor) -> torch.Tensor:
     return (norm.to(torch.float64) / scale.squeeze(-1).to(torch.float64)).square()
 
 
+def score_norms(h_RF: torch.Tensor, counts_L: torch.Tensor, h_mean_LF: torch.Tensor | None) -> torch.Tensor:
+    """The h factor of the rows' scores: ‖h‖², or with a control variate's slot means
+    ``h_mean_LF`` (:mod:`lrmoe.passes.control`) the residual ‖h − h̄_slot‖² it leaves to the draw
+    (slot-major rows, ``counts_L`` a slot)."""
+    if h_mean_LF is None:
+        return squared_norms(h_RF)
+    h_rows = torch.repeat_interleave(h_mean_LF, counts_L.to(h_mean_LF.device), dim=0, output_size=h_RF.shape[0])
+    return squared_norms(h_RF - h_rows)
+
+
 def lrm_scores(weights_P: torch.Tensor, g_sq_P: torch.Tensor, h_sq_P: torch.Tensor) -> torch.Tensor:
     """w² · ‖g‖² · ‖h‖² per pair, float64."""
     return weights_P.detach().to(torch.float64).square() * g_sq_P * h_sq_P

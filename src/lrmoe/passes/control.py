@@ -1,0 +1,114 @@
+"""A control variate for the dropped pairs (``BackwardConfig(control_variate=True)``).
+
+Expert e's weight gradients are sums of per-pair contributions, each linear in the pair's
+dy_i = w_i·g_t: dW_down = Σ dy_i h_iᵀ, dW_gate = Σ (dh_i ⊙ m_i) x_iᵀ and dW_up = Σ (dh_i ⊙ s_i) x_iᵀ,
+with dh_i = W_downᵀ dy_i, s = silu(gate) and m = up ⊙ silu'(gate). With the means h̄, x̄, m̄, s̄
+of a slot's forward rows in place of each pair's own, a contribution becomes a linear map A of
+dy_i alone, the same for every pair of the slot, so
+
+    Ĝ = Σ_kept c_i / π_i + A(Σ_all dy_i − Σ_kept dy_i / π_i)
+
+is unbiased for any A fixed before the draw (the bracket has mean zero), and its variance is
+that of the residuals c_i − A(dy_i) alone. On configs/paper.toml's model early in training a
+slot's h and x are dominated by their means and the residuals carry a small share of the
+contributions (docs/convergence.md "A control variate").
+
+What it costs: the means from a few rows a slot (:data:`SAMPLE_ROWS`, recomputed in the
+forward), the home side's bracket a (destination, slot) — a segment sum over its pairs — sent
+to the slot's holder as one row of D (one small all-to-all), and a rank-1 update a slot of each
+weight gradient. The scores become the residuals' (w²‖g‖²‖h − h̄‖²), so the sampler draws by
+what the variate leaves and the noise objective prices it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lrmoe import experts
+from lrmoe.parallel import comm
+from lrmoe.parallel.comm import Channel
+from lrmoe.passes.backward_rows import Kept
+from lrmoe.passes.record import CallRecord
+
+SAMPLE_ROWS = 16  # rows a slot whose activations give its means (evenly spaced; all where fewer)
+
+
+@dataclass(frozen=True)
+class ControlMeans:
+    """Each local slot's mean x, h, silu(gate) and up ⊙ silu'(gate) over (a sample of) its rows."""
+
+    x_LD: torch.Tensor
+    h_LF: torch.Tensor
+    silu_LF: torch.Tensor
+    dsilu_up_LF: torch.Tensor
+
+
+def control_means(rows_RD: torch.Tensor, gate_up: experts.Slots, counts_L: torch.Tensor) -> ControlMeans:
+    """The slots' means from up to :data:`SAMPLE_ROWS` evenly spaced rows of each (slot-major
+    ``rows_RD``, ``counts_L`` rows a slot), their gate and up recomputed; zeros for a slot with
+    no row. Fixed by the forward's rows, before any draw: the variate stays unbiased."""
+    counts = counts_L.tolist()
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    take = [min(n, SAMPLE_ROWS) for n in counts]
+    idx = torch.cat([torch.arange(k, dtype=torch.float64).mul(n / max(k, 1)).long() + a
+                     for a, n, k in zip(starts, counts, take)] or [torch.zeros(0, dtype=torch.long)])
+    x_SD = rows_RD[idx.to(rows_RD.device)]
+    sample_L = torch.tensor(take, dtype=torch.long)
+    gate_SF, up_SF = experts.gate_up_forward(x_SD, gate_up, sample_L)
+    sig = torch.sigmoid(gate_SF)
+    silu_SF = gate_SF * sig
+    dsilu_up_SF = up_SF * sig * (1 + gate_SF * (1 - sig))
+    slot_S = torch.repeat_interleave(torch.arange(len(take), device=x_SD.device), sample_L.to(x_SD.device))
+    denom = sample_L.clamp(min=1).to(x_SD.device, x_SD.dtype).unsqueeze(1)
+
+    def mean(v: torch.Tensor) -> torch.Tensor:
+        return v.new_zeros(len(take), v.shape[1]).index_add_(0, slot_S, v) / denom
+
+    return ControlMeans(mean(x_SD), mean(silu_SF * up_SF), mean(silu_SF), mean(dsilu_up_SF))
+
+
+def dropped_mass(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, kept: Kept,
+                 channel: Channel) -> torch.Tensor:
+    """Σ_all dy_i − Σ_kept dy_i / π_i over the pairs each local slot computed in the forward,
+    from every source rank: (L, D) (collective). Each home sums its own pairs a (destination,
+    slot), in the forward's send order, and sends a row per slot of each destination."""
+    rows, placement = call.rows, call.plan.placement
+    K = call.ids_TK.shape[1]
+    kept_f = weights_TK.reshape(-1).to(torch.float64)
+    if kept.scale_P is not None:
+        kept_f = kept_f * kept.scale_P
+    if kept.keep_P is not None:
+        kept_f = kept_f * kept.keep_P
+    left_P = (weights_TK.reshape(-1).to(torch.float64) - kept_f).to(g_TD.dtype)  # w_i − w_i·1[kept]/π_i
+    pairs_N = rows.pair_idx
+    device = g_TD.device
+    slots_W = [len(s) for s in placement.slots]
+    offset_W = torch.tensor([sum(slots_W[:w]) for w in range(len(slots_W))], device=device)
+    dest_N = torch.repeat_interleave(torch.arange(len(slots_W), device=device),
+                                     torch.tensor(rows.send_splits, device=device), output_size=len(pairs_N))
+    slot_N = comm.to_device(placement.slot_index, device)[dest_N, call.ids_TK.reshape(-1)[pairs_N]]
+    send_XD = g_TD.new_zeros(sum(slots_W), g_TD.shape[1])
+    send_XD.index_add_(0, offset_W[dest_N] + slot_N, left_P[pairs_N].unsqueeze(1) * g_TD[pairs_N // K])
+    mine = slots_W[call.layer.rank]
+    recv_XD = channel.all_to_all(send_XD, slots_W, [mine] * len(slots_W))
+    return recv_XD.view(len(slots_W), mine, -1).sum(0)
+
+
+def add_control(dgate_up: experts.Slots, ddown: experts.Slots, down: experts.Slots, means: ControlMeans,
+                c_LD: torch.Tensor) -> None:
+    """Add A(c) to each slot's weight gradients in place: c ⊗ h̄ to the down projection's, and
+    (dh ⊙ m̄) ⊗ x̄, (dh ⊙ s̄) ⊗ x̄ to the gate's and up's, dh = W_downᵀ c (rank-1 a slot)."""
+    sets = [(dgate_up, ddown, down)] if isinstance(ddown, torch.Tensor) else list(zip(dgate_up, ddown, down))
+    lo = 0
+    for dgu, dd, w_down in sets:
+        hi = lo + dd.shape[0]
+        c = c_LD[lo:hi].to(dd.dtype)
+        dh_LF = torch.bmm(c.unsqueeze(1), w_down).squeeze(1)  # W_downᵀ c, W_down (L, D, F)
+        dd.baddbmm_(c.unsqueeze(2), means.h_LF[lo:hi].unsqueeze(1))
+        F_ = dh_LF.shape[1]
+        x = means.x_LD[lo:hi].unsqueeze(1)
+        dgu[:, :F_].baddbmm_((dh_LF * means.dsilu_up_LF[lo:hi]).unsqueeze(2), x)
+        dgu[:, F_:].baddbmm_((dh_LF * means.silu_LF[lo:hi]).unsqueeze(2), x)
+        lo = hi
