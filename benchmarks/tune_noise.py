@@ -9,7 +9,10 @@ the cap, its ``results.json`` with the target and every system's figures). lrmoe
 ``backward.objective = "noise"`` and each τ, to the same target and step cap (``--set`` adds
 overrides), into ``OUT/<compare folder's last two parts>/tau-<τ>``; a finished run is kept. Per τ:
 steps and MoE time to target over the best exact system's in that comparison (least MoE time to
-target among the exact systems that reached it), mean over the folders. Writes ``tune.json``.
+target among the exact systems that reached it), mean over the folders. With ``--strict-step N``
+each run goes on to a strict target, the uncapped reference's validation loss at its step N (as
+``compare.strict_fraction`` does), and its steps there are set against the reference's (the
+comparison's exact systems stopped at the standard target). Writes ``tune.json``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ import json
 import statistics
 from pathlib import Path
 
-from lrmoe.train.compare import budget_steps, finished, launch, refine, summarise, system_config, with_dense_checkpoints
+from lrmoe.train.compare import (
+    budget_steps,
+    finished,
+    launch,
+    refine,
+    run_on,
+    summarise,
+    system_config,
+    target_from_reference,
+    with_dense_checkpoints,
+)
 from lrmoe.train.config import apply_sets, from_dict, read_config
 from lrmoe.train.sweep_seeds import exact
 
 
-def run_tau(compare: Path, tau: float, sets: list[str], out: Path) -> dict:
+def run_tau(compare: Path, tau: float, sets: list[str], out: Path, strict_step: int = 0) -> dict:
     """lrmoe at threshold ``tau`` to ``compare``'s target: its summary beside the best exact system's."""
     results = json.loads((compare / "results.json").read_text())
     raw = apply_sets(read_config(compare / "config.toml"),
@@ -36,6 +49,9 @@ def run_tau(compare: Path, tau: float, sets: list[str], out: Path) -> dict:
     if not finished(run_cfg, out):
         launch(run_cfg, out, max_steps=max_steps, stop_at=target)
         refine(run_cfg, out, target, max_steps)
+    strict = target_from_reference(compare / "static-uncapped", strict_step) if strict_step else None
+    if strict is not None:
+        run_on(run_cfg, out, strict, max_steps)
     ours = summarise("lrmoe", out, target, cfg.budget.memory_bytes if cfg.budget else None)
     reached = {n: r for n, r in results["systems"].items() if exact(n) and r["status"] == "reached"
                and not n.endswith("-uncapped")}
@@ -48,6 +64,13 @@ def run_tau(compare: Path, tau: float, sets: list[str], out: Path) -> dict:
     if ours["status"] == "reached":
         row["steps_ratio"] = ours["steps_to_target"] / b["steps_to_target"]
         row["moe_time_ratio"] = ours["moe_time_to_target_s"] / b["moe_time_to_target_s"]
+    if strict is not None:
+        mine = summarise("lrmoe", out, strict)
+        ref = summarise("static-uncapped", compare / "static-uncapped", strict)
+        row.update(strict_status=mine["status"], strict_steps=mine["steps_to_target"],
+                   strict_reference_steps=ref["steps_to_target"],
+                   strict_steps_ratio=(mine["steps_to_target"] / ref["steps_to_target"]
+                                       if mine["status"] == "reached" else None))
     return row
 
 
@@ -56,22 +79,30 @@ def main() -> None:
     ap.add_argument("--compare", required=True, help="comma-separated finished lrmoe compare folders")
     ap.add_argument("--thresholds", required=True, help="comma-separated τ, e.g. 0.25,0.5,1")
     ap.add_argument("--set", action="append", default=[], help="a config override for lrmoe's runs")
+    ap.add_argument("--strict-step", type=int, default=0, help="also the reference's loss at this step (0: no)")
     ap.add_argument("--out", type=Path, default=Path("runs/tune"))
     a = ap.parse_args()
     rows = []
     for tau in (float(t) for t in a.thresholds.split(",")):
         for compare in (Path(c) for c in a.compare.split(",")):
-            rows.append(run_tau(compare, tau, a.set, a.out / compare.parent.name / compare.name / f"tau-{tau:g}"))
+            rows.append(run_tau(compare, tau, a.set, a.out / compare.parent.name / compare.name / f"tau-{tau:g}",
+                                a.strict_step))
             r = rows[-1]
+            strict = (f", strict: {r['strict_steps']} steps (reference {r['strict_reference_steps']})"
+                      if a.strict_step else "")
             print(f"tau {tau:g} {compare}: {r['status']} steps {r['steps']} ({r['best_exact']} {r['best_steps']}), "
                   f"MoE ms/step {r['moe_ms_per_step']:.1f} ({r['best_moe_ms_per_step']:.1f}), "
-                  f"kept {r['mean_kept_ratio']:.3f}", flush=True)
-    print("| τ | steps ÷ best exact | MoE time ÷ best exact | kept |\n|---|---|---|---|")
+                  f"kept {r['mean_kept_ratio']:.3f}{strict}", flush=True)
+    print("| τ | steps ÷ best exact | MoE time ÷ best exact | kept | strict: steps ÷ reference |")
+    print("|---|---|---|---|---|")
     for tau in sorted({r["tau"] for r in rows}):
         mine = [r for r in rows if r["tau"] == tau]
         means = [f"{statistics.fmean(r[k] for r in mine):.3f}" if all(r["status"] == "reached" for r in mine)
                  else "missed" for k in ("steps_ratio", "moe_time_ratio")]
-        print(f"| {tau:g} | {means[0]} | {means[1]} | {statistics.fmean(r['mean_kept_ratio'] for r in mine):.3f} |")
+        strict = [r.get("strict_steps_ratio") for r in mine]
+        strict = f"{statistics.fmean(strict):.3f}" if a.strict_step and None not in strict else "–"
+        print(f"| {tau:g} | {means[0]} | {means[1]} | {statistics.fmean(r['mean_kept_ratio'] for r in mine):.3f} "
+              f"| {strict} |")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tune.json").write_text(json.dumps(rows, indent=2))
 
