@@ -22,7 +22,7 @@ what the variate leaves and the noise objective prices it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -31,18 +31,9 @@ from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Channel
 from lrmoe.passes.backward_rows import Kept
 from lrmoe.passes.record import CallRecord
+from lrmoe.passes.saved import ControlMeans
 
 SAMPLE_ROWS = 16  # rows a slot whose activations give its means (evenly spaced; all where fewer)
-
-
-@dataclass(frozen=True)
-class ControlMeans:
-    """Each local slot's mean x, h, silu(gate) and up ⊙ silu'(gate) over (a sample of) its rows."""
-
-    x_LD: torch.Tensor
-    h_LF: torch.Tensor
-    silu_LF: torch.Tensor
-    dsilu_up_LF: torch.Tensor
 
 
 def control_means(rows_RD: torch.Tensor, gate_up: experts.Slots, counts_L: torch.Tensor) -> ControlMeans:
@@ -50,7 +41,7 @@ def control_means(rows_RD: torch.Tensor, gate_up: experts.Slots, counts_L: torch
     ``rows_RD``, ``counts_L`` rows a slot), their gate and up recomputed; zeros for a slot with
     no row. Fixed by the forward's rows, before any draw: the variate stays unbiased."""
     counts = counts_L.tolist()
-    starts = [sum(counts[:i]) for i in range(len(counts))]
+    starts = [0, *accumulate(counts)][:-1]
     take = [min(n, SAMPLE_ROWS) for n in counts]
     idx = torch.cat([torch.arange(k, dtype=torch.float64).mul(n / max(k, 1)).long() + a
                      for a, n, k in zip(starts, counts, take)] or [torch.zeros(0, dtype=torch.long)])
@@ -85,7 +76,7 @@ def dropped_mass(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor,
     pairs_N = rows.pair_idx
     device = g_TD.device
     slots_W = [len(s) for s in placement.slots]
-    offset_W = torch.tensor([sum(slots_W[:w]) for w in range(len(slots_W))], device=device)
+    offset_W = torch.tensor([0, *accumulate(slots_W)][:-1], device=device)
     dest_N = torch.repeat_interleave(torch.arange(len(slots_W), device=device),
                                      torch.tensor(rows.send_splits, device=device), output_size=len(pairs_N))
     slot_N = comm.to_device(placement.slot_index, device)[dest_N, call.ids_TK.reshape(-1)[pairs_N]]

@@ -1,6 +1,6 @@
-"""What the expert side keeps from a call's forward to its backward (:class:`Saved`), and the
-layout its kept rows take once compacted in place (:class:`InPlace`, made by
-:mod:`lrmoe.passes.compaction`). Below both the record that carries them and the compaction that
+"""What the expert side keeps from a call's forward to its backward (:class:`Saved`, a control
+variate's means among it: :class:`ControlMeans`), and the layout its kept rows take once
+compacted in place (:class:`InPlace`, made by :mod:`lrmoe.passes.compaction`). Below both the record that carries them and the compaction that
 rewrites them, so neither imports the other."""
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ class InPlace:
     order_R: torch.Tensor  # the dy row (slot-major kept order) of each compacted row, slot after slot
 
 
+@dataclass(frozen=True)
+class ControlMeans:
+    """A control variate's (:mod:`lrmoe.passes.control`): each local slot's mean x, h, silu(gate)
+    and up ⊙ silu'(gate) over (a sample of) its forward rows."""
+
+    x_LD: torch.Tensor
+    h_LF: torch.Tensor
+    silu_LF: torch.Tensor
+    dsilu_up_LF: torch.Tensor
+
+
 @dataclass
 class Saved:
     """What the expert side keeps from a call's forward to its backward."""
@@ -41,7 +52,7 @@ class Saved:
     slot_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # concatenated or assembled slot weights
     in_place: InPlace | None = None  # the backward compacted its kept rows in place (lrmoe.passes.compaction)
     by_row: KeptParts | None = None  # a call keeping by the row: its parts beyond x
-    control: object | None = None  # the slots' means of a control variate (lrmoe.passes.control.ControlMeans)
+    control: ControlMeans | None = None  # a control variate's means (lrmoe.passes.control)
 
     def clear(self) -> None:
         self.rows_RD = self.acts = self.slot_weights = self.in_place = self.by_row = self.control = None
