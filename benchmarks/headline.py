@@ -57,6 +57,8 @@ def per_seed(folders: list[Path], label: str = "", target: str = "standard") -> 
     for folder in folders:
         for sub in sorted(folder.glob("seed-*")):
             paths = sorted(sub.glob("results*.json")) or sorted((sub / f"cap-{label}").glob("results*.json"))
+            if not paths:  # a seed still running (or never run) there
+                continue
             merged = out.setdefault(int(sub.name.removeprefix("seed-")), {})
             for path in paths:
                 doc = json.loads(path.read_text())
