@@ -1,7 +1,7 @@
 """What the expert side keeps from a call's forward to its backward (:class:`Saved`, a control
 variate's means among it: :class:`ControlMeans`), and the layout its kept rows take once
-compacted in place (:class:`InPlace`, made by :mod:`lrmoe.passes.compaction`). Below both the record that carries them and the compaction that
-rewrites them, so neither imports the other."""
+compacted in place (:class:`InPlace`, made by :mod:`lrmoe.passes.compaction`). Below both the
+record that carries them and the compaction that rewrites them, so neither imports the other."""
 
 from __future__ import annotations
 

@@ -16,7 +16,10 @@ Written to the output folder:
   ``moe_time_to_target_interp_s`` (below), ``wall_time_to_target_s`` (the training steps' wall time
   up to the target's step: ``metrics.jsonl``'s ``train_wall_s``, evaluations and checkpoints
   excluded; null where not reached) and ``wall_ms_per_step`` (over the run); ``details`` adds
-  ``target_bracket`` and ``dense_eval``;
+  ``target_bracket`` and ``dense_eval``; with ``compare.strict_fraction``, ``strict``: the same
+  document (``target_step``, ``target_loss``, ``systems``, ``details``) for a strict target, the
+  reference's loss at that later share of its steps, every system run on to it from its stop at the
+  first target (:func:`run_on`);
 - ``report.md``: the table; ``val_loss_vs_moe_time.png``, ``kept_ratio.png``,
   ``expert_load.png``: the plots (:mod:`lrmoe.train.plots`); one folder per system with its own run.
 
