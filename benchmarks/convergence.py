@@ -36,9 +36,10 @@ from lrmoe.config import ClusterBudget
 from lrmoe.memory.bytes import ByteModel
 from lrmoe.planning.placement import Placement
 from lrmoe.systems import REFERENCE_SYSTEM
-from lrmoe.train.compare import budget_steps, finished, summarise, system_config, target_from_reference
+from lrmoe.train.compare import budget_steps, finished, system_config, target_from_reference
 from lrmoe.train.config import RunConfig, load
 from lrmoe.train.launch import launch
+from lrmoe.train.to_target import summarise
 
 SELECTIONS = ("lrm", "random", "sampled", "local-sampled")
 

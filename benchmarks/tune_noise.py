@@ -28,13 +28,13 @@ from lrmoe.train.compare import (
     launch,
     refine,
     run_on,
-    summarise,
     system_config,
     target_from_reference,
     with_dense_checkpoints,
 )
 from lrmoe.train.config import apply_sets, from_dict, read_config
 from lrmoe.train.sweep_seeds import exact
+from lrmoe.train.to_target import summarise
 
 
 def run_tau(compare: Path, tau: float, sets: list[str], out: Path, strict_step: int = 0) -> dict:

@@ -42,9 +42,11 @@ def test_the_means_are_each_slots_own():
         torch.testing.assert_close(got[0], rows[:3].mean(0).detach())
         torch.testing.assert_close(got[2], rows[3:].mean(0).detach())
         assert torch.equal(got[1], torch.zeros_like(got[1]))
-    many = control_means(torch.randn(40, 6), gate_up, torch.tensor([40, 0, 0]))
-    assert many.x_LD.shape == (3, 6), "a slot of more rows than the sample: means of its sample"
-    assert SAMPLE_ROWS < 40
+    rows = torch.randn(40, 6)
+    many = control_means(rows, gate_up, torch.tensor([40, 0, 0]))
+    sample = rows[torch.arange(SAMPLE_ROWS) * 40 // SAMPLE_ROWS]  # a slot of more rows: evenly spaced ones
+    torch.testing.assert_close(many.x_LD[0], sample.mean(0))
+    assert not torch.allclose(many.x_LD[0], rows.mean(0)), "the sample's mean, not every row's"
 
 
 def _draws(group, cv: bool, ratio: float, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:

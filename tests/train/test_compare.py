@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from lrmoe.train import compare
+from lrmoe.train import compare, to_target
 from lrmoe.train.config import ConfigError, from_dict
 from lrmoe.train.metrics import read_metrics
 from tests.helpers.compare import FakeRuns, curve
@@ -53,14 +53,14 @@ def run_fake_compare(tmp_path, monkeypatch, **compare_kw):
 def test_crossing_and_interpolation_on_a_synthetic_curve():
     records = [{"step": s, "moe_time_s": 0.5 * s, **({"val_loss": curve(s)} if s % 10 == 0 else {})}
                for s in range(1, 41)]
-    before, hit = compare.crossing(records, 4.75)
+    before, hit = to_target.crossing(records, 4.75)
     assert (before["step"], hit["step"]) == (20, 30)
-    step, t = compare.interpolate(records, 4.75, before, hit)
+    step, t = to_target.interpolate(records, 4.75, before, hit)
     assert step == pytest.approx(25.0) and t == pytest.approx(12.5), "4.80 at 20, 4.70 at 30: halfway"
-    assert compare.crossing(records, 4.5) is None
-    before, hit = compare.crossing(records, 4.95)
+    assert to_target.crossing(records, 4.5) is None
+    before, hit = to_target.crossing(records, 4.95)
     assert before is None and hit["step"] == 10, "the first evaluation: no evaluation before it"
-    assert compare.interpolate(records, 4.95, before, hit) is None
+    assert to_target.interpolate(records, 4.95, before, hit) is None
 
 
 @pytest.mark.parametrize("eval_every, steps, dense, want", [

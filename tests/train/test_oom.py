@@ -10,7 +10,7 @@ import json
 import numpy as np
 
 from lrmoe.errors import MemoryBudgetExceeded
-from lrmoe.train.compare import summarise
+from lrmoe.train.to_target import summarise
 from tests.helpers.train import records, train_case
 
 # Under this cap the tiny model trains; an evaluation (its routing on the replicas chosen for the

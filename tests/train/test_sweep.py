@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lrmoe.train import compare, sweep
+from lrmoe.train import compare, sweep, to_target
 from lrmoe.train.config import ConfigError, from_dict
 from lrmoe.train.launch import clear_outputs
 
@@ -99,7 +99,7 @@ def test_sweep_shares_the_reference_and_runs_every_system_under_each_cap(tmp_pat
 def entry(status="reached", steps=None, time_s=None, **kw) -> dict:
     """A results.json entry as compare writes one (every key; the figures kw overrides)."""
     reached = status == "reached"
-    r = {k: None for k in compare.RESULT_KEYS}
+    r = {k: None for k in to_target.RESULT_KEYS}
     r.update(status=status, steps_to_target=steps if reached else None, moe_time_to_target_s=time_s if reached
              else None, steps_to_target_interp=steps - 2.5 if reached else None,
              moe_time_to_target_interp_s=time_s - 0.1 if reached else None,

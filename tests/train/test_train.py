@@ -162,8 +162,8 @@ def test_memory_cap_oom_recorded(pool2, tmp_path):
     cap static fits only by recomputing trains within it, by trimming. (lrmoe's forward in
     rounds needs 8 bytes a row more than static's, its ‖h‖², so no cap refuses static and admits
     lrmoe.)"""
-    from lrmoe.train.compare import summarise
     from lrmoe.train.report import report
+    from lrmoe.train.to_target import summarise
 
     pool2.run(2, train_case, {"system": "static", "steps": 2}, str(tmp_path / "free"))
     peak = max(json.loads(line)["peak_expert_side_bytes"] for line in (tmp_path / "free" / "metrics.jsonl")

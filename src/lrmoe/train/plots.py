@@ -31,7 +31,7 @@ def selective(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One run against the target, read from its metrics as ``compare.summarise`` reads them:
+    """One run against the target, read from its metrics as ``to_target.summarise`` reads them:
     ``time_s``/``step`` of the first evaluation at or below the target (None: not reached),
     ``oom_step`` (None: it did not run out of memory), its last validation loss."""
 

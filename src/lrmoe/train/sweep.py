@@ -36,11 +36,12 @@ from pathlib import Path
 
 from lrmoe.config import ClusterBudget
 from lrmoe.sizes import SizeError, parse_size
-from lrmoe.train.compare import RESULT_KEYS, finished, reference_eval_at, run_compare, system_config
+from lrmoe.train.compare import finished, reference_eval_at, run_compare, system_config
 from lrmoe.train.config import ConfigError, RunConfig, require_int
 from lrmoe.train.launch import launch
 from lrmoe.train.metrics import read_metrics
 from lrmoe.train.report import seeds_report
+from lrmoe.train.to_target import RESULT_KEYS
 from lrmoe.train.toml_dump import dump_toml
 
 
