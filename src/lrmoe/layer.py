@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
+from lrmoe.config import LOCAL_SELECTIONS, BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.experts import GroupedExperts, SwiGLU
 from lrmoe.parallel import comm, sharding
 from lrmoe.parallel.comm import Group
@@ -35,12 +35,12 @@ class MoELayer(nn.Module):
     ``forward(x)`` takes (T, D) or (B, S, D). ``system`` selects placement and backward
     (docs/design.md "Systems"): ``static``, ``static-recompute``, ``lrmoe`` (``backward`` picks
     the selection and ratio; a ``budget`` adds the controller's quotas and replicas), ``masked``,
-    ``symi`` (replicas re-planned every optimizer step), ``capacity`` (``capacity_factor``), and
-    the replication family (docs/systems.md): ``fastermoe``, ``flexmoe``, ``smartmoe``
-    (``routing_trace``: (steps, E) loads for its offline pool), ``laer``, ``ultraep``, ``topoep``
-    (``budget.ranks_per_node``), ``llep``. ``last_stats`` is refreshed by each forward and
-    backward. Call :meth:`step_end` after every optimizer step (a no-op for systems without
-    replicas).
+    ``symi`` (replicas re-planned every optimizer step), ``capacity`` (``capacity_factor``),
+    ``lrmoe-capacity`` (lrmoe's backward over capacity's forward; a local selection), and the
+    replication family (docs/systems.md): ``fastermoe``, ``flexmoe``, ``smartmoe`` (``routing_trace``:
+    (steps, E) loads for its offline pool), ``laer``, ``ultraep``, ``topoep`` (``budget.ranks_per_node``),
+    ``llep``. ``last_stats`` is refreshed by each forward and backward. Call :meth:`step_end` after
+    every optimizer step (a no-op for systems without replicas).
 
     ``budget.memory_bytes`` caps every system's expert side (docs/design.md "The paper's
     regime"; :mod:`lrmoe.planning.planner` says how each system fits): ``last_stats`` then reports
@@ -92,6 +92,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"load_ema={load_ema!r} is invalid: expected a number in [0, 1)")
         self.config, self.system, self.spec, self.group = config, system, spec, group
         self.backward_config = backward or BackwardConfig()
+        if spec.forward_drop and spec.selective and not self.backward_config.local:  # (scores of the kept pairs)
+            raise ValueError(f"system={system!r} takes a local selection {LOCAL_SELECTIONS}, not {backward!r}")
         self.world, self.rank = comm.world_size(group), comm.rank_of(group)
         self.planner = LayerPlanner(spec, config, self.world, self.rank, budget, self.backward_config,
                                     capacity_factor, replan_interval, load_ema, routing_trace)

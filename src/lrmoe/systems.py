@@ -104,6 +104,9 @@ SPECS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("static", _S, _FULL, Assignment.OWNER, takes_budget=True),
     SystemSpec("static-recompute", _S, BackwardKind.RECOMPUTE, Assignment.OWNER, takes_budget=True),
     SystemSpec("lrmoe", _S, BackwardKind.SELECTIVE, Assignment.MIN_PEAK, Planner.CONTROLLER, takes_budget=True),
+    # lrmoe over a capacity factor's forward: the overflow dropped in both passes, the rest trimmed in the backward
+    SystemSpec("lrmoe-capacity", _S, BackwardKind.SELECTIVE, Assignment.MIN_PEAK, Planner.CONTROLLER,
+               forward_drop=True, takes_budget=True),
     SystemSpec("masked", _S, BackwardKind.MASKED, Assignment.OWNER, takes_budget=True),
     SystemSpec("symi", _STEP, _FULL, Assignment.MIN_PEAK, Planner.LOAD, takes_budget=True,
                uses_slots=True, replan_every_step=True),

@@ -8,7 +8,7 @@ import torch
 
 from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
 from lrmoe.parallel import comm
-from lrmoe.systems import SYSTEMS
+from lrmoe.systems import SYSTEMS, spec_of
 from tests.helpers.layer import close
 from tests.oracles.dense_moe import reference_grads
 
@@ -18,10 +18,10 @@ ALL_SYSTEMS = SYSTEMS
 def any_system_layer(cfg, system, group, ratio=1.0):
     """A layer of ``system`` with the arguments it needs; at ``ratio`` 1 every system keeps
     every pair (capacity: nothing overflows), so the complete reference applies."""
-    kw = {}
-    if system in ("lrmoe", "masked"):
+    kw, spec = {}, spec_of(system)
+    if spec.selective:
         kw["backward"] = BackwardConfig(ratio=ratio)
-    if system == "capacity":
+    if spec.forward_drop:
         kw["capacity_factor"] = 100.0  # nothing overflows: the complete reference applies
     if system == "topoep":
         kw["budget"] = ClusterBudget(ranks_per_node=1)

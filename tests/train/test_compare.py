@@ -184,6 +184,9 @@ def test_capacity_at_a_factor_runs_that_capacity_factor():
     assert (one.train.system, one.train.capacity_factor, one.backward) == ("capacity", 1.0, cfg.backward)
     assert compare.system_config(cfg, "capacity@1.5").train.capacity_factor == 1.5
     assert parse_system_name("capacity@1.5").capacity_factor == 1.5 and parse_system_name("capacity@1.5").ratio is None
-    for bad in ("capacity@0", "capacity@-1", "capacity@x", "capacity@inf", "capacity-random", "static@1.0"):
+    for bad in ("capacity@0", "capacity@-1", "capacity@x", "capacity@inf", "capacity-random", "static@1.0",
+                "lrmoe-capacity@0"):
         with pytest.raises(ValueError, match="capacity factor"):
             parse_system_name(bad)
+    both = compare.system_config(cfg, "lrmoe-capacity@1.0")  # lrmoe's backward over that forward drop
+    assert (both.train.system, both.train.capacity_factor, both.backward) == ("lrmoe-capacity", 1.0, cfg.backward)

@@ -12,7 +12,7 @@ import pytest
 
 from lrmoe.memory.bytes import ByteModel
 from lrmoe.passes.stages import STAGES
-from lrmoe.systems import SYSTEMS
+from lrmoe.systems import SYSTEMS, spec_of
 from lrmoe.train.config import from_dict
 from lrmoe.train.loop import train
 from tests.helpers.train import TINY, losses, records, tiny, train_case, write_text_folder
@@ -21,7 +21,7 @@ from tests.helpers.train import TINY, losses, records, tiny, train_case, write_t
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_every_system_learns(pool2, tmp_path, system):
     kw = {"system": system, "steps": 10}
-    if system in ("lrmoe", "masked"):
+    if spec_of(system).selective:
         kw["backward"] = {"ratio": 0.5}
     if system == "topoep":
         kw["budget"] = {"ranks_per_node": 1}

@@ -59,8 +59,8 @@ class StrataSelector(Selector):
         plan, layer = call.plan, call.layer
         own, _ = layer.streams.next()
         noise = layer.planner.noise
-        send_N = call.rows.pair_idx  # every pair, in the forward's send order: a selective forward drops none
-        every_pair = np.array_equal(plan.quota_E.numpy(), plan.counts_SE.sum(0).numpy())  # (host counts)
+        send_N = call.rows.pair_idx  # every pair the forward computed, in its send order
+        every_pair = np.array_equal(plan.quota_E.numpy(), plan.forward_SE.sum(0).numpy())  # (host counts)
         if every_pair and noise is None:  # no scores needed: every pair of every rank kept, no draw
             return self._every_pair(call, g_TD)
         scores_N = pair_scores(weights_TK.reshape(-1), squared_norms(g_TD), h_sq_P, send_N)
@@ -78,10 +78,11 @@ class StrataSelector(Selector):
 
     @staticmethod
     def _every_pair(call: CallRecord, g_TD: torch.Tensor) -> Kept:
-        """Every pair of every rank kept: no draw, and the forward's rows (decided from the plan's
-        global figures, so that every rank takes the same row path and sends the same messages)."""
+        """Every pair the forward computed, of every rank, kept: no draw, and the forward's rows
+        (decided from the plan's global figures, so that every rank takes the same row path and
+        sends the same messages)."""
         kept_SE = call.plan.strata.kept_SE
         sampled = call.layer.backward.selection == "local-sampled"  # its weights 1/π, here all 1
         scale_P = torch.ones(call.ids_TK.numel(), dtype=torch.float64, device=g_TD.device) if sampled else None
-        return Kept(None, kept_SE, call.plan.quota_E, kept_SE.sum(0), scale_P, nonfinite=False)
+        return Kept(call.forward_keep_P, kept_SE, call.plan.quota_E, kept_SE.sum(0), scale_P, nonfinite=False)
 

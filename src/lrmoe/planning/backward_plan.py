@@ -57,7 +57,8 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
     if not spec.selective:  # an exact backward: what the forward's fit keeps, nothing else
         return BackwardPlan(keep=plan.keep)
     placement = plan.placement
-    counts_E = plan.counts_SE.sum(0)
+    counts_SE = plan.forward_SE  # the pairs the forward computed: a forward drop's overflow has no backward
+    counts_E = counts_SE.sum(0)
     kept_capacity_R = None if planner.controller is None else \
         planner.controller.kept_capacity(placement, int(counts_E.sum()))
     cfg = planner.backward.at_step(planner.steps)  # the warm phase's within trim_after steps
@@ -75,7 +76,7 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
             keep = keep_of(quota_E)
     strata = kept_assignment = None
     if planner.backward.local:
-        strata = plan_strata(plan.assignment, placement, plan.counts_SE, quota_E, planner.rank)
+        strata = plan_strata(plan.assignment, placement, counts_SE, quota_E, planner.rank)
         if spec.compacts and keep == KEEP_NOTHING:
             kept_assignment = assign_pairs(plan.rule, strata.kept_SE, placement, kept_capacity_R, plan.node_of)
     return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment,

@@ -200,8 +200,8 @@ class LayerPlanner:
         its backward's part follows from :meth:`plan_backward`. Under a memory cap, raises
         :class:`MemoryBudgetExceeded` (on every rank alike) where the call cannot fit."""
         forward_SE = counts_SE if forward_SE is None else forward_SE
-        if training:
-            self.observe(counts_SE.sum(0))
+        if training:  # the load the copies serve: a forward drop's overflow is computed nowhere
+            self.observe(forward_SE.sum(0))
             if self.peaks is not None:
                 self._last_SE = forward_SE.clone()
         if self.fitter is not None:

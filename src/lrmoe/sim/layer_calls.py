@@ -151,9 +151,9 @@ class SystemPlanner:
         keep = plan.keep  # None: what the system keeps
         local = spec.selective and self.selection in LOCAL_SELECTIONS
         bwd_SR, kept, live_bwd = fwd_SR, int(plan.forward_SE.sum()), 0.0
-        if plan.quota_E is not None:
-            score_R = self._score_pairs(counts_SE, plan.quota_E)
-            bwd_SR, kept, live_bwd = self._backward_rows(plan, counts_SE, fwd_SR, keep, calls)
+        if plan.quota_E is not None:  # (lrmoe-capacity: the backward's over the forward drop's exchange)
+            score_R = score_R + self._score_pairs(plan.forward_SE, plan.quota_E)
+            bwd_SR, kept, live_bwd = self._backward_rows(plan, plan.forward_SE, fwd_SR, keep, calls)
         call = LayerCall(
             system=self.system, fwd_SR=fwd_SR, bwd_SR=bwd_SR, copies_R=np.array([len(x) for x in plan.placement.slots]),
             owned_R=np.array(planner.base.owned_counts), chunks_R=_chunks(fwd_SR.sum(0), plan.chunk_rows_R),
