@@ -17,7 +17,10 @@ cap); ``--lrmoe`` names the lrmoe row compared (default ``lrmoe``), ``--dropping
 forward-dropping ones (``capacity``; several, e.g. ``capacity@1.0,capacity@1.25,capacity@1.5``:
 the best is the one with the least mean MoE time to target among those that reached it at every
 seed, dropping at its best factor) and ``--versus`` other systems lrmoe is compared with
-(``symi``: the issue's replication baseline).
+(``symi``: the issue's replication baseline). ``--corrected``: where a seed's systems ran in
+folders made hours or sessions apart, each later folder's MoE and wall times are scaled to the
+pace of the seed's first folder, by the ratio of the uncapped reference's time a step in each
+(the same work: a machine's drift, not a system's).
 
 Wall time beside MoE time: each run's ``wall_time_to_target_s`` (the training steps' wall time to
 the target, evaluations and checkpoints excluded; missing from runs made before compare wrote it),
@@ -48,26 +51,54 @@ def is_exact(name: str) -> bool:
     return spec.backward.value in EXACT_BACKWARDS and not spec.forward_drop
 
 
-def per_seed(folders: list[Path], label: str = "", target: str = "standard") -> dict[int, dict[str, dict]]:
+def per_seed(folders: list[Path], label: str = "", target: str = "standard", corrected: bool = False
+             ) -> dict[int, dict[str, dict]]:
     """{seed: {system: results.json's entry}} of one ``lrmoe compare --seeds`` output (or the cap
     ``label``'s folder of a cap sweep over seeds); a seed's ``results*.json`` are merged (a later
     compare into the same folder with ``--resume`` and other systems rewrites ``results.json``: keep
-    the earlier one as ``results-<tag>.json``). ``target="strict"``: their strict target's entries."""
+    the earlier one as ``results-<tag>.json``). ``target="strict"``: their strict target's entries.
+    ``corrected``: each file's times scaled to the pace of the seed's first file (:func:`at_pace`)."""
     out: dict[int, dict[str, dict]] = {}
+    first: dict[int, tuple[float, float | None]] = {}  # seed → its first file's reference pace
     for folder in folders:
         for sub in sorted(folder.glob("seed-*")):
             paths = sorted(sub.glob("results*.json")) or sorted((sub / f"cap-{label}").glob("results*.json"))
             if not paths:  # a seed still running (or never run) there
                 continue
-            merged = out.setdefault(int(sub.name.removeprefix("seed-")), {})
+            seed = int(sub.name.removeprefix("seed-"))
+            merged = out.setdefault(seed, {})
             for path in paths:
                 doc = json.loads(path.read_text())
                 if target == "strict" and "strict" not in doc:
                     raise SystemExit(f"{path}: no strict target (run lrmoe compare with compare.strict_fraction)")
-                merged.update((doc["strict"] if target == "strict" else doc)["systems"])
+                systems = (doc["strict"] if target == "strict" else doc)["systems"]
+                if corrected:
+                    systems = at_pace(systems, first.setdefault(seed, reference_pace(systems, path)), path)
+                merged.update(systems)
     if not out:
         raise SystemExit(f"{', '.join(map(str, folders))}: no seed-*/results.json (lrmoe compare --seeds outputs)")
     return out
+
+
+def reference_pace(systems: dict[str, dict], path: Path) -> tuple[float, float | None]:
+    """The uncapped reference's MoE and wall seconds a step to the target in one results file: the
+    same work wherever the seed's reference ran, so their ratio is the machine's pace."""
+    ref = next((r for n, r in systems.items() if n.endswith("-uncapped") and r["steps_to_target"]), None)
+    if ref is None:
+        raise SystemExit(f"{path}: no uncapped reference that reached the target to correct the pace by")
+    wall = ref.get("wall_time_to_target_s")
+    return ref["moe_time_to_target_s"] / ref["steps_to_target"], wall and wall / ref["steps_to_target"]
+
+
+def at_pace(systems: dict[str, dict], pace: tuple[float, float | None], path: Path) -> dict[str, dict]:
+    """A results file's entries with their MoE and wall times scaled from the pace its own
+    reference ran at to ``pace`` (runs of one seed made hours or sessions apart on a machine whose
+    speed drifts)."""
+    own = reference_pace(systems, path)
+    scale = {"moe_time_to_target_s": pace[0] / own[0],
+             "wall_time_to_target_s": pace[1] / own[1] if pace[1] and own[1] else None}
+    return {n: {**r, **{k: r[k] * f for k, f in scale.items() if f is not None and r.get(k) is not None}}
+            for n, r in systems.items()}
 
 
 def summary(seeds: dict[int, dict[str, dict]], name: str) -> dict:
@@ -230,6 +261,9 @@ def main() -> None:
     ap.add_argument("--versus", default="", help="other systems to compare lrmoe with, comma-separated (symi)")
     ap.add_argument("--target", choices=("standard", "strict"), default="standard")
     ap.add_argument("--title", default="configs/paper.toml, 2 CPU ranks", help="the plot's config, in words")
+    ap.add_argument("--corrected", action="store_true",
+                    help="scale a seed's later folders' times to its first folder's pace (the uncapped "
+                         "reference's time a step in each): for runs made sessions apart")
     ap.add_argument("--out", default="runs/headline")
     args = ap.parse_args()
     caps = {}
@@ -237,10 +271,11 @@ def main() -> None:
         label, sep, folder = entry.partition("=")
         if not sep:
             raise SystemExit(f"--cap {entry!r}: expected LABEL=FOLDER")
-        seeds = per_seed([Path(f) for f in folder.split(",")], label, args.target)
+        seeds = per_seed([Path(f) for f in folder.split(",")], label, args.target, args.corrected)
         caps[label] = compare_cap(seeds, args.lrmoe, tuple(args.dropping.split(",")),
                                   tuple(n for n in args.versus.split(",") if n))
-    doc = {"lrmoe": args.lrmoe, "dropping": args.dropping, "target": args.target, "caps": caps}
+    doc = {"lrmoe": args.lrmoe, "dropping": args.dropping, "target": args.target, "corrected": args.corrected,
+           "caps": caps}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "headline.json").write_text(json.dumps(doc, indent=2))

@@ -113,3 +113,28 @@ def test_dropping_at_its_best_factor_symi_beside_and_the_strict_target_of_a_cap_
     (tmp_path / "seed-2" / "results.json").write_text(json.dumps({"systems": {}}))
     with pytest.raises(SystemExit, match="no strict target"):
         headline.per_seed([tmp_path], "0.65x", "strict")
+
+
+def test_corrected_scales_a_later_folder_to_the_first_ones_pace(headline, tmp_path):
+    """Runs of one seed made a session apart: the later folder's reference took 0.8× the MoE time
+    a step (a faster machine), so its runs' times are read at 1/0.8× (and its wall times by the
+    reference's wall pace); the first folder's stay as they are."""
+    ref = {**entry(160, 40.0, peak=2 * CAP), "wall_time_to_target_s": 80.0}
+    write_seed(tmp_path / "a", 0, {"static-uncapped": ref, "capacity": {**entry(150, 20.0),
+                                                                        "wall_time_to_target_s": 60.0}})
+    write_seed(tmp_path / "b", 0, {"static-uncapped": {**ref, "moe_time_to_target_s": 32.0,
+                                                       "wall_time_to_target_s": 72.0},
+                                   "lrmoe": {**entry(150, 16.0), "wall_time_to_target_s": 54.0}})
+    folders = [tmp_path / "a", tmp_path / "b"]
+    raw, fixed = headline.per_seed(folders), headline.per_seed(folders, corrected=True)
+    assert raw[0]["lrmoe"]["moe_time_to_target_s"] == 16.0
+    assert fixed[0]["lrmoe"]["moe_time_to_target_s"] == pytest.approx(16.0 / 0.8)
+    assert fixed[0]["lrmoe"]["wall_time_to_target_s"] == pytest.approx(54.0 / 0.9)
+    assert fixed[0]["capacity"] == raw[0]["capacity"]
+    assert fixed[0]["static-uncapped"]["moe_time_to_target_s"] == pytest.approx(40.0)
+    cap = headline.compare_cap(fixed, "lrmoe", "capacity")
+    assert cap["vs_dropping"]["time_ratio"] == pytest.approx(1.0)
+    (tmp_path / "c" / "seed-0").mkdir(parents=True)
+    (tmp_path / "c" / "seed-0" / "results.json").write_text(json.dumps({"systems": {"lrmoe": entry(150, 1.0)}}))
+    with pytest.raises(SystemExit, match="no uncapped reference"):
+        headline.per_seed([tmp_path / "c"], corrected=True)
