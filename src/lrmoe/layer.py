@@ -36,11 +36,10 @@ class MoELayer(nn.Module):
     (docs/design.md "Systems"): ``static``, ``static-recompute``, ``lrmoe`` (``backward`` picks
     the selection and ratio; a ``budget`` adds the controller's quotas and replicas), ``masked``,
     ``symi`` (replicas re-planned every optimizer step), ``capacity`` (``capacity_factor``),
-    ``lrmoe-capacity`` (lrmoe's backward over capacity's forward; a local selection), and the
-    replication family (docs/systems.md): ``fastermoe``, ``flexmoe``, ``smartmoe`` (``routing_trace``:
-    (steps, E) loads for its offline pool), ``laer``, ``ultraep``, ``topoep`` (``budget.ranks_per_node``),
-    ``llep``. ``last_stats`` is refreshed by each forward and backward. Call :meth:`step_end` after
-    every optimizer step (a no-op for systems without replicas).
+    ``lrmoe-capacity`` (lrmoe's backward over capacity's forward; a local selection), the replication
+    family (docs/systems.md): ``fastermoe``, ``flexmoe``, ``smartmoe`` (``routing_trace``: (steps, E)
+    loads for its offline pool), ``laer``, ``ultraep``, ``topoep`` (``budget.ranks_per_node``), ``llep``.
+    ``last_stats`` is refreshed by each forward and backward; :meth:`step_end` after every optimizer step.
 
     ``budget.memory_bytes`` caps every system's expert side (docs/design.md "The paper's
     regime"; :mod:`lrmoe.planning.planner` says how each system fits): ``last_stats`` then reports
@@ -93,7 +92,8 @@ class MoELayer(nn.Module):
         self.config, self.system, self.spec, self.group = config, system, spec, group
         self.backward_config = backward or BackwardConfig()
         if spec.forward_drop and spec.selective and not self.backward_config.local:  # (scores of the kept pairs)
-            raise ValueError(f"system={system!r} takes a local selection {LOCAL_SELECTIONS}, not {backward!r}")
+            raise ValueError(f"system={system!r} takes a local selection {LOCAL_SELECTIONS}, "
+                             f"not selection={self.backward_config.selection!r}")
         self.world, self.rank = comm.world_size(group), comm.rank_of(group)
         self.planner = LayerPlanner(spec, config, self.world, self.rank, budget, self.backward_config,
                                     capacity_factor, replan_interval, load_ema, routing_trace)
