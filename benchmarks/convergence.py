@@ -88,7 +88,7 @@ def study(cfg: RunConfig, plan: dict[str, RunConfig], out: Path, resume: bool) -
                 launch(run_cfg, folder, max_steps=max_steps, stop_at=target)
         if name == REFERENCE_SYSTEM:
             target = cfg.compare.target_loss or target_from_reference(folder, target_step)
-        r = summarise(name, folder, target)
+        r = summarise(folder, target)
         kind = "budget" if "/budget" in name else ("reference" if name == REFERENCE_SYSTEM else "ratio")
         rows[name] = {"selection": name.split("@")[0].split("/")[0] if kind != "reference" else None,
                       "quota": kind, "ratio": run_cfg.backward.ratio, **r,

@@ -73,7 +73,8 @@ def per_seed(folders: list[Path], label: str = "", target: str = "standard", cor
                     raise SystemExit(f"{path}: no strict target (run lrmoe compare with compare.strict_fraction)")
                 systems = (doc["strict"] if target == "strict" else doc)["systems"]
                 if corrected:
-                    systems = at_pace(systems, first.setdefault(seed, reference_pace(systems, path)), path)
+                    own = reference_pace(systems, path)
+                    systems = at_pace(systems, own, first.setdefault(seed, own))
                 merged.update(systems)
     if not out:
         raise SystemExit(f"{', '.join(map(str, folders))}: no seed-*/results.json (lrmoe compare --seeds outputs)")
@@ -90,11 +91,11 @@ def reference_pace(systems: dict[str, dict], path: Path) -> tuple[float, float |
     return ref["moe_time_to_target_s"] / ref["steps_to_target"], wall and wall / ref["steps_to_target"]
 
 
-def at_pace(systems: dict[str, dict], pace: tuple[float, float | None], path: Path) -> dict[str, dict]:
+def at_pace(systems: dict[str, dict], own: tuple[float, float | None], pace: tuple[float, float | None]
+            ) -> dict[str, dict]:
     """A results file's entries with their MoE and wall times scaled from the pace its own
-    reference ran at to ``pace`` (runs of one seed made hours or sessions apart on a machine whose
-    speed drifts)."""
-    own = reference_pace(systems, path)
+    reference ran at (``own``, :func:`reference_pace`) to ``pace`` (runs of one seed made hours or
+    sessions apart on a machine whose speed drifts)."""
     scale = {"moe_time_to_target_s": pace[0] / own[0],
              "wall_time_to_target_s": pace[1] / own[1] if pace[1] and own[1] else None}
     return {n: {**r, **{k: r[k] * f for k, f in scale.items() if f is not None and r.get(k) is not None}}

@@ -52,7 +52,7 @@ def run_tau(compare: Path, tau: float, sets: list[str], out: Path, strict_step: 
     strict = target_from_reference(compare / "static-uncapped", strict_step) if strict_step else None
     if strict is not None:
         run_on(run_cfg, out, strict, max_steps)
-    ours = summarise("lrmoe", out, target, cfg.budget.memory_bytes if cfg.budget else None)
+    ours = summarise(out, target, cfg.budget.memory_bytes if cfg.budget else None)
     reached = {n: r for n, r in results["systems"].items() if exact(n) and r["status"] == "reached"
                and not n.endswith("-uncapped")}
     best = min(reached, key=lambda n: reached[n]["moe_time_to_target_s"])
@@ -65,8 +65,8 @@ def run_tau(compare: Path, tau: float, sets: list[str], out: Path, strict_step: 
         row["steps_ratio"] = ours["steps_to_target"] / b["steps_to_target"]
         row["moe_time_ratio"] = ours["moe_time_to_target_s"] / b["moe_time_to_target_s"]
     if strict is not None:
-        mine = summarise("lrmoe", out, strict)
-        ref = summarise("static-uncapped", compare / "static-uncapped", strict)
+        mine = summarise(out, strict)
+        ref = summarise(compare / "static-uncapped", strict)
         row.update(strict_status=mine["status"], strict_steps=mine["steps_to_target"],
                    strict_reference_steps=ref["steps_to_target"],
                    strict_steps_ratio=(mine["steps_to_target"] / ref["steps_to_target"]

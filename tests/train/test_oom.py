@@ -82,7 +82,7 @@ def test_evaluation_out_of_memory_is_recorded_at_its_step(pool2, tmp_path):
     assert rows[-1]["during"] == "evaluation" and FORCED in rows[-1]["oom"]
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "oom"
     assert np.load(tmp_path / "routing.npz")["counts"].shape[0] == 4
-    result = summarise("lrmoe", tmp_path, 0.0, 300_000)  # what compare reads, going on to the next system
+    result = summarise(tmp_path, 0.0, 300_000)  # what compare reads, going on to the next system
     assert (result["status"], result["oom_step"], result["steps_run"]) == ("oom", 4, 4)
     assert result["final_val_loss"] == rows[1]["val_loss"]
 

@@ -179,7 +179,7 @@ def test_memory_cap_oom_recorded(pool2, tmp_path):
     assert lr[0]["status"] == "done"
     rows = [json.loads(line) for line in (tmp_path / "lrmoe" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["peak_expert_side_bytes"] <= lr_cap for r in rows) and rows[-1]["kept_ratio"] < 1.0
-    results = {name: summarise(name, tmp_path / name, 0.0, c) for name, c in (("static", cap), ("lrmoe", lr_cap))}
+    results = {name: summarise(tmp_path / name, 0.0, c) for name, c in (("static", cap), ("lrmoe", lr_cap))}
     assert results["static"]["status"] == "oom" and results["static"]["oom_step"] == 1
     assert results["lrmoe"]["status"] == "never" and results["lrmoe"]["steps_run"] == 3
     doc = {"target_loss": 0.0, "unigram_loss": 1.0, "details": results}

@@ -228,7 +228,7 @@ def run_compare(cfg: RunConfig, systems: tuple[str, ...], out: Path, resume: boo
     names = [ref_run, *others]
 
     def document(loss: float, dense: str) -> dict:
-        results = {name: summarise(name, out / name, loss, None if name == ref_run else cap, dense) for name in names}
+        results = {name: summarise(out / name, loss, None if name == ref_run else cap, dense) for name in names}
         return {"target_loss": loss, "unigram_loss": summary["unigram_loss"],
                 "systems": {n: {k: r[k] for k in RESULT_KEYS} for n, r in results.items()}, "details": results}
 

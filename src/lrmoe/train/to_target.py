@@ -42,9 +42,9 @@ def interpolate(records: list[dict], target: float, before: dict | None, hit: di
     return float(step), float(np.interp(step, steps, times))
 
 
-def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int] | None = None,
+def summarise(folder: Path, target: float, memory_cap: int | list[int] | None = None,
               dense: str = "dense_eval") -> dict:
-    """One system's results from its ``metrics.jsonl``: when it reached ``target`` (``status``
+    """One system's results (its run in ``folder``) from its ``metrics.jsonl``: when it reached ``target`` (``status``
     ``reached``, ``never`` within its steps, or ``oom``: a call did not fit the memory cap), at
     what resolution (the crossing interval; an interpolated estimate inside it), and totals."""
     records = read_metrics(folder)
@@ -55,13 +55,13 @@ def summarise(name: str, folder: Path, target: float, memory_cap: int | list[int
     estimate = interpolate(rows, target, before, hit) if hit else None
     start = before["step"] if before else 0
     summary = folder / "summary.json"
-    dense = json.loads(summary.read_text()).get(dense) if summary.exists() else None
+    dense_eval = json.loads(summary.read_text()).get(dense) if summary.exists() else None
     return {
         "target_bracket": [start, hit["step"]] if hit else None,
         "steps_to_target_resolution": hit["step"] - start if hit else None,
         "steps_to_target_interp": estimate[0] if estimate else None,
         "moe_time_to_target_interp_s": estimate[1] if estimate else None,
-        "dense_eval": dense,
+        "dense_eval": dense_eval,
         "status": "reached" if hit else ("oom" if oom else "never"),
         "oom_step": oom["step"] if oom else None,
         "oom": oom["oom"] if oom else None,
