@@ -14,6 +14,7 @@ from lrmoe.passes.backward_rows import Kept
 from lrmoe.passes.record import CallRecord, Selector
 from lrmoe.selection.arrays import scatter_pairs
 from lrmoe.selection.global_selection import select
+from lrmoe.selection.ranked import rank_scores
 from lrmoe.selection.scores import lrm_scores, pair_scores, squared_norms
 from lrmoe.selection.strata import largest_remainder, select_in_strata, strata_on
 
@@ -65,12 +66,16 @@ class StrataSelector(Selector):
             return self._every_pair(call, g_TD)
         scores_N = pair_scores(weights_TK.reshape(-1), squared_norms(g_TD), h_sq_P, send_N)
         strata = strata_on(plan.strata, scores_N.device)
+        ranked = None
         if noise is not None:  # what trimming would add to the gradient's noise, at every ratio
-            noise.add_pairs(scores_N, strata.group_N, torch.from_numpy(plan.strata.sizes_G), strata.share_G,
-                            call.ids_TK.shape[0], layer.backward.score_power)
+            sizes_G = plan.strata.sizes_G
+            ranked = rank_scores(scores_N, strata.group_N, len(sizes_G), layer.backward.score_power)
+            noise.add_pairs(scores_N, strata.group_N, torch.from_numpy(sizes_G), strata.share_G,
+                            call.ids_TK.shape[0], layer.backward.score_power, ranked)
         if every_pair:
             return self._every_pair(call, g_TD)
-        keep_N, scale_N, nonfinite = select_in_strata(scores_N, strata.group_N, strata.share_G, layer.backward, own)
+        keep_N, scale_N, nonfinite = select_in_strata(scores_N, strata.group_N, strata.share_G, layer.backward, own,
+                                                      ranked)
         keep_P = scatter_pairs(keep_N, send_N, call.ids_TK.numel())
         scale_P = None if scale_N is None else scatter_pairs(scale_N, send_N, call.ids_TK.numel())
         kept_SE = strata.counts.kept_SE

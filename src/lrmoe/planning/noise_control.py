@@ -39,6 +39,7 @@ from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Group
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.selection.noise import design_variances
+from lrmoe.selection.ranked import Ranked
 
 NOISE_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))  # 1, 0.95, …, 0.05: the ratios priced
 _SCORES, _TOKENS, _GRAD, _DRAWN = range(4)  # the sums' first entries; the ratios' variances follow
@@ -61,14 +62,15 @@ class NoiseController:
         self._sums[index] += value
 
     def add_pairs(self, scores_N: torch.Tensor, group_N: torch.Tensor, sizes_G: torch.Tensor,
-                  share_G: torch.Tensor, tokens: int, power: float) -> None:
+                  share_G: torch.Tensor, tokens: int, power: float, ranked: Ranked | None = None) -> None:
         """A home side's pairs of one call: their scores (``group_N``: each one's stratum, of
         ``sizes_G`` pairs; ``share_G``: the pairs each stratum keeps), its tokens and the
-        sampler's π ∝ score^``power``."""
+        sampler's π ∝ score^``power``; ``ranked``: the pairs already ranked
+        (:func:`~lrmoe.selection.ranked.rank_scores`, the sampler's ranking)."""
         quota_CG = torch.cat([share_G.view(1, -1).to(torch.long),
                               fixed_ratio_quota(sizes_G.to(share_G.device), list(NOISE_RATIOS))])
         scores = torch.where(torch.isfinite(scores_N), scores_N, 0.0).sum()
-        self._add(slice(_DRAWN, None), design_variances(scores_N, group_N, quota_CG, power))
+        self._add(slice(_DRAWN, None), design_variances(scores_N, group_N, quota_CG, power, ranked))
         self._add(_SCORES, scores)
         self._add(_TOKENS, torch.tensor(float(tokens), dtype=torch.float64, device=scores.device))
 

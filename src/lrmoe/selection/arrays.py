@@ -90,6 +90,26 @@ def order_by_group_then_key(groups: Array, key: Array) -> Array:
     return by_key[torch.argsort(groups[by_key], stable=True)]
 
 
+def position_in_block(sorted_groups: Array, sizes_G: Array) -> Array:
+    """For ids sorted into consecutive blocks, each element's position inside its block."""
+    starts = sizes_G.cumsum(0) - sizes_G
+    return arange(len(sorted_groups), sorted_groups) - starts[sorted_groups]
+
+
+def group_sizes(groups_P: Array, G: int) -> Array:
+    """Members of each of G groups (``bincount`` without its device→host read of the maximum)."""
+    return segment_sum(xp(groups_P).ones_like(groups_P), groups_P, G)
+
+
+def segment_cumsum(x: Array, groups: Array, sizes_G: Array) -> tuple[Array, Array]:
+    """Inclusive and exclusive cumulative sums inside each block of a block-sorted vector
+    (``groups``: each element's block, ascending)."""
+    total = x.cumsum(0)
+    before = xp(x).concatenate([zeros(1, total, total.dtype), total])  # before[i]: Σ x[:i]
+    incl = total - before[sizes_G.cumsum(0) - sizes_G][groups]
+    return incl, incl - x
+
+
 def scatter_pairs(values_N: torch.Tensor, pairs_N: torch.Tensor, P: int) -> torch.Tensor:
     """A tensor over all ``P`` pairs holding ``values_N`` at ``pairs_N``, zero (False) elsewhere."""
     v, pairs = on_host(values_N), on_host(pairs_N)

@@ -23,15 +23,18 @@ import torch
 
 from lrmoe.selection.arrays import (
     Array,
-    arange,
     as_tensor,
     float64,
+    group_sizes,
     on_host,
     order_by_group_then_key,
+    position_in_block,
+    segment_cumsum,
     segment_sum,
     xp,
     zeros,
 )
+from lrmoe.selection.ranked import Ranked, rank
 
 _EDGE = 1e-9  # offsets stay this far from 0 and 1, where float rounding could shift a count
 
@@ -39,43 +42,19 @@ __all__ = ["group_sizes", "inclusion_probabilities", "order_by_group_then_key", 
            "segment_cumsum", "systematic_sample"]
 
 
-def position_in_block(sorted_groups: Array, sizes_G: Array) -> Array:
-    """For ids sorted into consecutive blocks, each element's position inside its block."""
-    starts = sizes_G.cumsum(0) - sizes_G
-    return arange(len(sorted_groups), sorted_groups) - starts[sorted_groups]
-
-
-def group_sizes(groups_P: Array, G: int) -> Array:
-    """Members of each of G groups (``bincount`` without its device→host read of the maximum)."""
-    return segment_sum(xp(groups_P).ones_like(groups_P), groups_P, G)
-
-
-def segment_cumsum(x: Array, groups: Array, sizes_G: Array) -> tuple[Array, Array]:
-    """Inclusive and exclusive cumulative sums inside each block of a block-sorted vector
-    (``groups``: each element's block, ascending)."""
-    total = x.cumsum(0)
-    before = xp(x).concatenate([zeros(1, total, total.dtype), total])  # before[i]: Σ x[:i]
-    incl = total - before[sizes_G.cumsum(0) - sizes_G][groups]
-    return incl, incl - x
-
-
-def inclusion_probabilities(score_P: Array, groups_P: Array, quota_G: Array, floor: float
-                            ) -> tuple[Array, Array, Array]:
+def inclusion_probabilities(score_P: Array, groups_P: Array, quota_G: Array, floor: float,
+                            ranked: Ranked | None = None) -> tuple[Array, Array, Array]:
     """π per pair for groups of non-negative finite scores, Σ_group π = quota (see the module
     docstring). Returns (order, π in that order, block sizes): ``order`` sorts pairs by (group,
-    score desc, index)."""
+    score desc, index). ``ranked``: these scores already ranked in these groups (the caller's
+    :func:`~lrmoe.selection.ranked.rank`), else ranked here."""
     G, w = len(quota_G), xp(score_P)
-    s_all = float64(score_P)
-    order = order_by_group_then_key(groups_P, s_all)
-    g, s = groups_P[order], s_all[order]
-    n_G = group_sizes(groups_P, G)
-    pos = position_in_block(g, n_G)
+    r = ranked if ranked is not None else rank(score_P, groups_P, G)
+    g, s, n_G, pos, tail = r.g, r.key, r.n_G, r.pos, r.tail
     q_G = float64(w.minimum(quota_G, n_G))
     q, n = q_G[g], float64(n_G)[g]
-    # tail sums T_m = Σ_{i ≥ m} s_i inside each block; pair m is capped iff m < q and
+    # pair m (tail sum T_m = Σ_{i ≥ m} s_i in its block) is capped iff m < q and
     # s_m·(q − m) ≥ T_m, a prefix of the block (the condition only weakens as m grows)
-    _, excl = segment_cumsum(s, g, n_G)
-    tail = segment_sum(s, g, G)[g] - excl
     capped = (pos < q) & (s * (q - pos) >= tail) & (tail > 0)
     m_G = segment_sum(float64(capped), g, G)
     # the rest share q − m in proportion to their scores (uniformly if their scores are all zero)
@@ -86,7 +65,7 @@ def inclusion_probabilities(score_P: Array, groups_P: Array, quota_G: Array, flo
     lam = (floor * n / q.clip(min=1)).clip(max=1.0)
     pi = (1 - lam) * pi + lam * q / n.clip(min=1)
     pi = _sum_to_quota(w.where(q > 0, pi, 0.0), g, q_G)
-    return order, w.where(q >= n, 1.0, pi), n_G  # a group kept whole: π = 1 exactly
+    return r.order, w.where(q >= n, 1.0, pi), n_G  # a group kept whole: π = 1 exactly
 
 
 def _sum_to_quota(pi: Array, g: Array, q_G: Array) -> Array:
@@ -109,12 +88,12 @@ def _sum_to_quota(pi: Array, g: Array, q_G: Array) -> Array:
     return xp(pi).where(deficit > 0, topped, scaled).clip(0.0, 1.0)
 
 
-def systematic_sample(order: Array, pi_sorted: Array, groups_P: Array, sizes_G: Array, quota_G: Array,
-                      u_G: Array) -> Array:
+def systematic_sample(order: Array, pi_sorted: Array, g: Array, sizes_G: Array, quota_G: Array, u_G: Array
+                      ) -> Array:
     """Keep mask (over the original pairs) of a systematic sample: block g's points
-    u_g + j, j < quota_g, on the line of its pairs' intervals (see the module docstring)."""
+    u_g + j, j < quota_g, on the line of its pairs' intervals (see the module docstring).
+    ``g``: each pair's group in ``order``."""
     w = xp(pi_sorted)
-    g = groups_P[order]
     q_G = float64(w.minimum(quota_G, sizes_G))
     total_G = segment_sum(pi_sorted, g, len(q_G))
     # rescale each block's line to length exactly q (float rounding of Σ π), so the q points fit
@@ -127,11 +106,13 @@ def systematic_sample(order: Array, pi_sorted: Array, groups_P: Array, sizes_G: 
     return keep
 
 
-def sample_arrays(score_P: Array, groups_P: Array, quota_G: Array, u_G: Array, floor: float
-                  ) -> tuple[Array, Array]:
-    """:func:`sample` on arrays of one library (NumPy on the host, torch on a device)."""
-    order, pi_sorted, n_G = inclusion_probabilities(score_P, groups_P, quota_G, floor)
-    keep = systematic_sample(order, pi_sorted, groups_P, n_G, quota_G, u_G)
+def sample_arrays(score_P: Array, groups_P: Array, quota_G: Array, u_G: Array, floor: float,
+                  ranked: Ranked | None = None) -> tuple[Array, Array]:
+    """:func:`sample` on arrays of one library (NumPy on the host, torch on a device);
+    ``ranked`` as :func:`inclusion_probabilities` takes it."""
+    r = ranked if ranked is not None else rank(score_P, groups_P, len(quota_G))
+    order, pi_sorted, n_G = inclusion_probabilities(score_P, groups_P, quota_G, floor, r)
+    keep = systematic_sample(order, pi_sorted, r.g, n_G, quota_G, u_G)
     pi = 0 * pi_sorted
     pi[order] = pi_sorted
     return keep, pi

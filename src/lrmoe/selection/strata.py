@@ -33,14 +33,18 @@ from lrmoe.selection.arrays import (
     Array,
     as_tensor,
     float64,
+    group_sizes,
     int64,
     on_host,
     order_by_group_then_key,
+    position_in_block,
+    segment_cumsum,
     segment_sum,
     xp,
     zeros,
 )
-from lrmoe.selection.sampling import group_sizes, position_in_block, sample_arrays, segment_cumsum
+from lrmoe.selection.ranked import Ranked, design_key
+from lrmoe.selection.sampling import sample_arrays
 
 
 def largest_remainder(total_E: torch.Tensor, counts_SE: torch.Tensor) -> torch.Tensor:
@@ -134,7 +138,7 @@ def kept_positions(keep_N: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def select_in_strata(scores_N: torch.Tensor, group_N: torch.Tensor, share_G: torch.Tensor, cfg: BackwardConfig,
-                     generator: torch.Generator | None = None
+                     generator: torch.Generator | None = None, ranked: Ranked | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A local selection (``cfg.local``) of this rank's pairs, kept exactly ``share_G[g]`` in
     each stratum g (``group_N``: each pair's stratum, ascending; lrmoe.selection.strata). No exchange and
@@ -148,6 +152,10 @@ def select_in_strata(scores_N: torch.Tensor, group_N: torch.Tensor, share_G: tor
     broken gradient stays visible: a non-finite score means a non-finite routing weight, g or h,
     and the router gradient, exact for every pair, carries it.
 
+    ``ranked``: the pairs ranked by score^``cfg.score_power`` in these strata
+    (:func:`~lrmoe.selection.ranked.rank_scores`, where the caller ranked them to price the
+    draw): ``local-sampled`` draws on it where every score is finite, instead of ranking again.
+
     Returns (keep_N, scale_N: 1/π of kept pairs, 0 elsewhere, or None for ``local``, nonfinite).
     """
     u_G = None
@@ -155,19 +163,22 @@ def select_in_strata(scores_N: torch.Tensor, group_N: torch.Tensor, share_G: tor
         u_G = torch.rand(share_G.numel() + 1, generator=generator, dtype=torch.float64)
     device = scores_N.device
     arrays = [on_host(t) for t in (scores_N, group_N, share_G.to(device))]
-    keep, scale, nonfinite = _select_arrays(*arrays, None if u_G is None else on_host(to_device(u_G, device)), cfg)
+    keep, scale, nonfinite = _select_arrays(*arrays, None if u_G is None else on_host(to_device(u_G, device)), cfg,
+                                            ranked)
     return as_tensor(keep), None if scale is None else as_tensor(scale), torch.as_tensor(nonfinite, device=device)
 
 
-def _select_arrays(scores_N: Array, group_N: Array, share_G: Array, u_G: Array | None, cfg: BackwardConfig
-                   ) -> tuple[Array, Array | None, Array]:
+def _select_arrays(scores_N: Array, group_N: Array, share_G: Array, u_G: Array | None, cfg: BackwardConfig,
+                   ranked: Ranked | None) -> tuple[Array, Array | None, Array]:
     """:func:`select_in_strata` on arrays of one library (NumPy on the host, torch on a device)."""
     G, w = len(share_G), xp(scores_N)
     finite = w.isfinite(scores_N)
     if isinstance(finite, np.ndarray) and finite.all():  # the host sees at no cost that nothing is broken
         keep_nf, nonfinite = zeros(len(finite), finite, "bool"), np.False_
-        rest_group, rest_G, key_N = group_N, w.concatenate([share_G, 0 * share_G[:1]]), scores_N
-    else:  # non-finite pairs first in their stratum, the rest drawn in stratum G
+        rest_group, rest_G, key_N = group_N, share_G, scores_N  # (no stratum G: it would be empty)
+    else:
+        ranked = None  # ranked with the non-finite pairs in their strata; drawn here without them
+  # non-finite pairs first in their stratum, the rest drawn in stratum G
         bad = int64(~finite)
         nf_G = segment_sum(bad, group_N, G)
         nf_rank, _ = segment_cumsum(bad, group_N, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite
@@ -176,19 +187,12 @@ def _select_arrays(scores_N: Array, group_N: Array, share_G: Array, u_G: Array |
         rest_group = w.where(finite, group_N, G)
         key_N = w.where(finite, scores_N, 0.0)
     if u_G is not None:  # local-sampled
-        keep_f, pi_N = sample_arrays(_power(key_N, cfg.score_power), rest_group, rest_G, u_G, cfg.p_min)
+        keep_f, pi_N = sample_arrays(design_key(key_N, cfg.score_power), rest_group, rest_G, u_G, cfg.p_min, ranked)
         scale = w.where(keep_f, 1.0 / pi_N.clip(min=1e-300), float64(keep_nf))
     else:  # local: each stratum's top share by score, ties by pair order
         order = order_by_group_then_key(rest_group, key_N)
-        pos = position_in_block(rest_group[order], group_sizes(rest_group, G + 1))
+        pos = position_in_block(rest_group[order], group_sizes(rest_group, len(rest_G)))
         keep_f = zeros(len(finite), finite, "bool")
         keep_f[order] = pos < rest_G[rest_group[order]]
         scale = None
     return keep_f | keep_nf, scale, nonfinite
-
-
-def _power(key: Array, power: float) -> Array:
-    """key ** power, the default square root (and 1) without the general power's cost."""
-    if power == 0.5:
-        return xp(key).sqrt(key)
-    return key if power == 1 else key**power
