@@ -10,7 +10,8 @@ collective. List-form ``dist.all_to_all`` is avoided on purpose: gloo rejects un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -148,18 +149,34 @@ class Channel:
     """One pass of one layer call over ``group``: every exchange goes through it, so ``wire``
     counts every byte the pass puts on the wire and ``memory`` (the call's meter, once it
     exists) hears of every row buffer an exchange delivers and frees. Nothing else in the data
-    path takes a counter or a meter."""
+    path takes a counter or a meter. ``meanwhile``: host work that nothing before the pass's end
+    waits for (planning, the noise measurement), done inside the next all-to-all's wait, which
+    on the CPU is otherwise idle time (the rows in flight, the slowest rank still computing);
+    it must issue no collective."""
 
     group: Group
     wire: WireCounter
     memory: MemoryHook | None = None
+    meanwhile: list[Callable[[], None]] = field(default_factory=list)  # host work for the next exchange's flight
 
     @property
     def rank(self) -> int:
         return rank_of(self.group)
 
     def all_to_all(self, send_XD: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        return all_to_all(send_XD, send_splits, recv_splits, self.group, self.wire)
+        """:func:`all_to_all`; the :attr:`meanwhile` work is done while the rows travel and the
+        slowest rank catches up, after the exchange is issued and before it is waited for."""
+        pending = all_to_all_start(send_XD, send_splits, recv_splits, self.group, self.wire)
+        try:
+            self.flush()
+        finally:  # (work that raises still lets the exchange finish: every rank issued it)
+            recv_XD = pending.wait()
+        return recv_XD
+
+    def flush(self) -> None:
+        """Do the :attr:`meanwhile` work not yet done (a pass ends with it: no exchange was left)."""
+        while self.meanwhile:
+            self.meanwhile.pop(0)()
 
     def all_gather(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return all_gather(x_ND, sizes, self.group, self.wire)

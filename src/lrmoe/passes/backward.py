@@ -59,6 +59,7 @@ def routed_backward(call: CallRecord, g_TD: torch.Tensor, x_TD: torch.Tensor, we
     clock.lap("bwd_compute")
     del rows_RD, dy_RD
     dx_TD, dgate_up, ddown = give_back(call, dx_RD, dgate_up, ddown, x_TD, rows, (gate_up, down), channel)
+    channel.flush()
     _report(call, kept, select_ms, rows.layout.recv_rows, channel, x_TD, t0)
     return dx_TD, dweights_TK, dgate_up, ddown
 

@@ -74,11 +74,13 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
         clock.lap("fwd_dispatch")
         y_RD, norms, acts = compute(call, rows_RD, weights)
         clock.lap("fwd_compute")
+        # the backward's plan, while the outputs travel home (on CUDA, while the device still
+        # computes what was just issued); before save, which keeps what its keep mode says
+        call.meanwhile(channel, "fwd_plan_backward", lambda: plan_backward(call))
         out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, norms, channel)
+        channel.flush()
         clock.lap("fwd_combine")
         del norms, y_RD
-        plan_backward(call)  # the device still exchanges and computes what was just issued
-        clock.lap("fwd_plan_backward")
         save(call, rows_RD, acts, weights, gate_up)
         del acts, rows_RD
     clock.lap("fwd_save")

@@ -8,6 +8,8 @@ layer. The record names its selection and row path by their interfaces (:class:`
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +96,16 @@ class CallRecord:
     rounds: Rounds | None = None  # an exchange in rounds: the forward's, which the backward repeats
     clock: StageClock = field(default_factory=StageClock)  # where the call's time went, stage by stage
     overlap_grads: bool = False  # replica gradients finished at the backward pass's end (MoELayer's opt-in)
+
+    def meanwhile(self, channel: Channel, stage: str, work: Callable[[], None]) -> None:
+        """``work`` done in ``channel``'s next exchange's wait (:attr:`Channel.meanwhile`), or
+        when the pass flushes it; its time counted as ``stage``'s, not the exchange's."""
+        def timed() -> None:
+            t0 = time.perf_counter()
+            work()
+            self.clock.aside(stage, time.perf_counter() - t0)
+
+        channel.meanwhile.append(timed)
 
 
 class Selector:

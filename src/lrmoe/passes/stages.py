@@ -36,5 +36,11 @@ class StageClock:
         self.ms[stage] = self.ms.get(stage, 0.0) + (now - self._t) * 1e3
         self._t = now
 
+    def aside(self, stage: str, seconds: float) -> None:
+        """``seconds`` spent inside the current stage on ``stage``'s work (host work done during an
+        exchange's wait): counted as ``stage``'s, and not as the current stage's."""
+        self.ms[stage] = self.ms.get(stage, 0.0) + seconds * 1e3
+        self._t += seconds
+
 
 __all__ = ["BACKWARD_STAGES", "FORWARD_STAGES", "STAGES", "StageClock"]
