@@ -402,3 +402,14 @@ def out_of_order_refresh_case(group, wait):
 @pytest.mark.parametrize("wait", [True, False])
 def test_refresh_puts_rows_from_several_owners_in_slot_order(pool, wait):
     pool.run(4, out_of_order_refresh_case, wait)
+
+
+def test_flat_rows_lay_out_each_expert_as_its_gate_up_then_its_down():
+    from lrmoe.parallel.replicas import flat_rows
+
+    gate_up, down = torch.randn(5, 6, 4), torch.randn(5, 4, 3)
+    for idx in ([3, 1, 1, 4], None, []):
+        at = list(range(5)) if idx is None else idx
+        want = torch.stack([torch.cat([gate_up[e].flatten(), down[e].flatten()]) for e in at]) if at else \
+            torch.empty(0, 36)
+        assert torch.equal(flat_rows(gate_up, down, idx), want)
