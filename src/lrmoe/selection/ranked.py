@@ -5,8 +5,9 @@ The local sampler (:mod:`lrmoe.selection.sampling`) and the noise controller's d
 read the same running sums along that order: which pairs are capped at π = 1 depends only on
 each pair's key and the sum of the keys after it in its group. A call that prices and draws
 ranks its pairs once (one sort, one pass of gathers and prefix sums) and hands the ranking to
-both; on the host that halves the arrays a backward allocates for its selection, most of which
-a cold cache pays for (the expert GEMMs before it evict them).
+both. On the host these are a few dozen small array operations whose cost is mostly the
+memory they touch, cold after the expert GEMMs: ranking once took the two from 1.14 to
+1.00 ms for 4096 pairs in 24 strata (docs/results.md "stages").
 """
 
 from __future__ import annotations
