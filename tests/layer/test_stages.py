@@ -12,20 +12,25 @@ from lrmoe.passes.stages import STAGES
 CFG = dict(dim=16, ffn_dim=24, num_experts=6, top_k=2)
 
 
-def stages_case(group, system: str, ratio: float):
+def one_call(group, system: str, backward: BackwardConfig) -> tuple[MoELayer, dict[str, float]]:
+    """One training call of a small layer on this rank's tokens; returns the layer (its stats
+    the whole call's) and the forward's stage times."""
     from lrmoe.parallel import comm
 
-    rank = comm.rank_of(group)
     cfg = MoEConfig(**CFG)
     torch.manual_seed(0)
     sd = MoELayer(cfg).state_dict()
-    layer = MoELayer(cfg, system=system, group=group, backward=BackwardConfig(ratio=ratio))
+    layer = MoELayer(cfg, system=system, group=group, backward=backward)
     layer.load_full_state_dict(sd)
-    torch.manual_seed(100 + rank)
-    x = torch.randn(24, cfg.dim, requires_grad=True)
-    out = layer(x)
+    torch.manual_seed(100 + comm.rank_of(group))
+    out = layer(torch.randn(24, cfg.dim, requires_grad=True))
     fwd = dict(layer.last_stats["stage_ms"])
     out.backward(torch.randn_like(out))
+    return layer, fwd
+
+
+def stages_case(group, system: str, ratio: float):
+    layer, fwd = one_call(group, system, BackwardConfig(ratio=ratio))
     s = layer.last_stats
     both = s["stage_ms"]
     assert set(both) <= set(STAGES) and all(v >= 0 for v in both.values())
@@ -89,19 +94,7 @@ def test_work_set_aside_counts_for_its_own_stage():
 
 
 def noise_stages_case(group):
-    from lrmoe.parallel import comm
-
-    rank = comm.rank_of(group)
-    cfg = MoEConfig(**CFG)
-    torch.manual_seed(0)
-    sd = MoELayer(cfg).state_dict()
-    layer = MoELayer(cfg, system="lrmoe", group=group, backward=BackwardConfig(objective="noise"))
-    layer.load_full_state_dict(sd)
-    torch.manual_seed(100 + rank)
-    x = torch.randn(24, cfg.dim, requires_grad=True)
-    out = layer(x)
-    fwd = dict(layer.last_stats["stage_ms"])
-    out.backward(torch.randn_like(out))
+    layer, fwd = one_call(group, "lrmoe", BackwardConfig(objective="noise"))
     return fwd["fwd_plan_backward"], layer.last_stats["stage_ms"]["bwd_select"], layer.planner.noise.pending()[0]
 
 

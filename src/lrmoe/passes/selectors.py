@@ -70,10 +70,10 @@ class StrataSelector(Selector):
         if noise is not None:  # what trimming would add to the gradient's noise, at every ratio
             sizes_G = plan.strata.sizes_G
             ranked = rank_scores(scores_N, strata.group_N, len(sizes_G), layer.backward.score_power)
-            add = noise.add_pairs  # (for the next step's ratio: nothing in this pass waits for it)
-            call.meanwhile(channel, "bwd_select", lambda: add(scores_N, strata.group_N, torch.from_numpy(sizes_G),
-                                                              strata.share_G, call.ids_TK.shape[0],
-                                                              layer.backward.score_power, ranked))
+            # (for the next step's ratio: nothing in this pass waits for it)
+            call.meanwhile(channel, "bwd_select", lambda: noise.add_pairs(
+                scores_N, strata.group_N, torch.from_numpy(sizes_G), strata.share_G, call.ids_TK.shape[0],
+                layer.backward.score_power, ranked))
         if every_pair:
             return self._every_pair(call, g_TD)
         keep_N, scale_N, nonfinite = select_in_strata(scores_N, strata.group_N, strata.share_G, layer.backward, own,
