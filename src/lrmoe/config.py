@@ -172,6 +172,12 @@ class BackwardConfig:
     derivatives over its forward rows stand in for every pair, the kept pairs' 1/π-weighted
     residuals correct them, unbiased; the scores (and the noise objective's pricing) are then
     the residuals'. One row of D a (source, slot) goes on the wire.
+    ``recompute_chunk``: rows a compacting backward that recomputes its kept rows' activations
+    (keeping x, or nothing) recomputes at once, the weight gradients summed over chunks; 0 (the
+    default) recomputes every kept row at once. Under a memory cap the kept capacity then counts
+    a kept row's dy and x and one chunk's activations instead of every kept row's, so the cap
+    trims fewer pairs, and each rank's chunk grows to the largest that fits (docs/design.md
+    "Recompute").
     """
 
     selection: str = "local-sampled"
@@ -190,6 +196,7 @@ class BackwardConfig:
     min_ratio_after: tuple[tuple[int, Floor], ...] = ()
     noise_threshold: float = 0.1  # docs/convergence.md "The noise objective": chosen on seeds 0-2
     control_variate: bool = False
+    recompute_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -223,6 +230,10 @@ class BackwardConfig:
         fraction("warm_ratio", self.warm_ratio)
         if not isinstance(self.control_variate, bool):
             raise bad("control_variate", self.control_variate, "expected true or false")
+        if isinstance(self.recompute_chunk, bool) or not isinstance(self.recompute_chunk, int) \
+                or self.recompute_chunk < 0:
+            raise bad("recompute_chunk", self.recompute_chunk, "expected an integer >= 0 (rows recomputed at once; "
+                      "0: every kept row at once)")
         object.__setattr__(self, "min_ratio_after", step_ratios("min_ratio_after", self.min_ratio_after))
 
     def at_step(self, steps: int) -> BackwardConfig:

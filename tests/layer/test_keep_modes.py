@@ -25,10 +25,11 @@ def pool():
     p.close()
 
 
-def modes_case(group, selection: str, ratio: float):
+def modes_case(group, selection: str, ratio: float, chunk: int = 0):
     """Each mode (``BackwardConfig.keep``) against the reference with the layer's kept set and
     weights; the meter's peak against the replay (x+acts' kept rows gathered at ratio 0.5,
-    compacted in place at 0.8). Returns the per-mode (kept set, bwd bytes, bwd GEMM rows)."""
+    compacted in place at 0.8). ``chunk``: the modes that recompute do so that many rows at a
+    time (``recompute_chunk``). Returns the per-mode (kept set, bwd bytes, bwd GEMM rows)."""
     cfg = MoEConfig(**QWEN)
     world, rank = comm.world_size(group), comm.rank_of(group)
     sd, x, g = make_problem(cfg, 48, 5, "none")
@@ -37,7 +38,7 @@ def modes_case(group, selection: str, ratio: float):
     out = {}
     for mode in KEEP_MODES:
         layer = MoELayer(cfg, system="lrmoe", group=group,
-                         backward=BackwardConfig(selection, ratio=ratio, seed=3, keep=mode))
+                         backward=BackwardConfig(selection, ratio=ratio, seed=3, keep=mode, recompute_chunk=chunk))
         layer.load_full_state_dict(sd)
         x_local = x[lo:hi].clone().requires_grad_(True)
         layer(x_local).backward(g[lo:hi])
@@ -54,9 +55,11 @@ def modes_case(group, selection: str, ratio: float):
         grads = layer.gather_full_grads()
         for name, want in ref_grads.items():
             close(f"{mode} grad {name}", grads[name], want)
+        recomputes = chunk and mode != KEEP_X_ACTS
+        assert s.get("bwd_chunk_rows") == (chunk if recomputes else None)
         pl = layer.placement
         work = RankWork(s["recv_rows"], s["bwd_gemm_rows"], len(pl.slots[rank]), len(pl.owned(rank)), None,
-                        world, pl.num_copies > cfg.num_experts, keep=mode)
+                        world, pl.num_copies > cfg.num_experts, keep=mode, bwd_chunk_rows=chunk if recomputes else None)
         assert expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, work) == s["peak_expert_side_bytes"], mode
         out[mode] = (layer.last_kept.clone(), s["bwd_a2a_bytes"], s["bwd_gemm_rows"])
     return out
@@ -73,6 +76,19 @@ def test_every_mode_equals_the_reference(pool, world, selection, ratio):
         assert r[KEEP_X][1] == r[KEEP_X_ACTS][1], "x and x+acts move the same bytes"
     if world > 1:
         assert sum(r[KEEP_X][1] for r in res) < sum(r[KEEP_NOTHING][1] for r in res), "no x re-sent"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("selection", ["lrm", "local-sampled"])
+def test_kept_rows_recomputed_in_chunks_equal_the_reference(pool, world, selection):
+    """``recompute_chunk``: the modes that recompute (x, nothing) do so 5 rows at a time, the
+    weight gradients summed over chunks: the reference's gradients, the same kept set as all at
+    once, the replay's peak with one chunk's activations."""
+    whole = pool.run(world, modes_case, selection, 0.5)
+    chunked = pool.run(world, modes_case, selection, 0.5, 5)
+    for r, w in zip(chunked, whole):
+        assert all(torch.equal(r[m][0], w[m][0]) and r[m][1:] == w[m][1:] for m in KEEP_MODES)
+    assert any(r[m][2] > 5 for r in chunked for m in (KEEP_X, KEEP_NOTHING)), "some rank recomputed in chunks"
 
 
 def bytes_case(group, system: str, ratio: float):

@@ -7,6 +7,8 @@ from forward to backward) is the richest that fits the cap."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -171,3 +173,45 @@ def test_the_choice_is_the_richest_that_fits():
             assert max(_predicted(planner, plan, plan.keep)) <= cap
         assert planner.plan_call(counts_SE, training=False).keep is None, "a forward-only call keeps nothing"
     assert seen == set(KEEP_MODES), seen
+
+
+def _peak(cfg: MoEConfig, work: RankWork, bwd_chunk: int) -> int:
+    return expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, replace(work, bwd_chunk_rows=bwd_chunk))
+
+
+def test_recomputing_in_chunks_keeps_more_pairs_within_the_cap():
+    """``recompute_chunk``: a kept row then costs dy and x beside one chunk's activations, so a
+    cap that trims keeps more pairs; every rank's chunk is the largest whose predicted peak fits
+    (its kept rows at once where they fit), and richer modes keep their order."""
+    cfg, world = MoEConfig(**QWEN), 2
+    sd, x, _ = make_problem(cfg, 96, 5, "hot")
+    layer = MoELayer(cfg)
+    layer.load_full_state_dict(sd)
+    with torch.no_grad():
+        ids = layer.router(x).ids_TK
+    counts_SE = torch.stack([torch.bincount(ids[r * 48:(r + 1) * 48].flatten(), minlength=8) for r in range(world)])
+    spec, more = spec_of("lrmoe"), 0
+    for cap in range(60_000, 135_000, 5_000):
+        plans = {}
+        for chunk in (0, 4):
+            budget = ClusterBudget(memory_bytes=cap, slots=5)
+            planner = LayerPlanner(spec, cfg, world, budget=budget, backward=BackwardConfig(recompute_chunk=chunk))
+            plans[chunk] = planner, planner.plan_call(counts_SE)
+        (_, whole), (planner, chunked) = plans[0], plans[4]
+        kept, kept_whole = int(chunked.quota_E.sum()), int(whole.quota_E.sum())
+        assert kept >= kept_whole, (cap, kept, kept_whole)
+        more += kept > kept_whole
+        if chunked.keep == KEEP_X_ACTS:
+            assert chunked.bwd_chunk_rows_R is None
+            continue
+        pl, rows_ER = chunked.placement, chunked.assignment.rows_ER()
+        bwd_R = torch.minimum(rows_ER, chunked.quota_E.view(-1, 1)).sum(0).tolist()
+        if chunked.keep == KEEP_NOTHING:
+            bwd_R = chunked.kept_assignment.rows_R()
+        for r in range(world):
+            work = RankWork(int(rows_ER[:, r].sum()), int(bwd_R[r]), len(pl.slots[r]), len(pl.owned(r)),
+                            chunked.chunk_rows_R[r], world, pl.num_copies > cfg.num_experts, keep=chunked.keep)
+            c = chunked.bwd_chunk_rows_R[r]
+            assert _peak(cfg, work, c) <= cap, (cap, r, c)
+            assert c >= bwd_R[r] or _peak(cfg, work, c + 1) > cap, "the largest chunk that fits"
+    assert more, "some cap keeps more pairs when the kept rows are recomputed in chunks"

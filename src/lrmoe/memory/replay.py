@@ -80,8 +80,9 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
       activations unless saved, and the replica-gradient send buffer. A call that kept the
       activations and keeps most rows compacts them in place instead
       (:func:`~lrmoe.memory.bytes.in_place`): no gather, the saved tensors keep their size.
-      A chunked backward (an exact one that recomputes) reads dy in its received order, so dy has no regrouped copy,
-      and holds one chunk's activations and gathered dy rows at a time. The kept rows' positions
+      A chunked backward (one that recomputes) holds one chunk's activations at a time; an exact
+      one reads dy in its received order, so dy has no regrouped copy, and gathers a chunk's dy
+      rows (a compacting one's dy arrives slot-major, as unchunked). The kept rows' positions
       (4 bytes a row in dy's message) or the global selections' one byte per forward row are
       bookkeeping, like the row plans' indices, and not counted.
     - a call keeping by the row (:class:`~lrmoe.memory.bytes.RowSplit`, :func:`_by_the_row`).
@@ -134,9 +135,10 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
     regroup = work.world > 1 and work.copies > 1
     acts_rows = Rf
     chunked_bwd = work.bwd_chunk_rows is not None and work.bwd_chunk_rows < Rb
+    dy_in_order = chunked_bwd and not spec.compacts  # an exact chunked backward reads dy as received
     compact_in_place = spec.compacts and kept.acts and in_place(Rf, Rb)
     reorder = regroup or (compact_in_place and work.world > 1)  # dy through a second buffer (world 1: packed so)
-    replay.receive(Rb, row, reorder and not chunked_bwd)  # dy (a chunked backward reads it unregrouped)
+    replay.receive(Rb, row, reorder and not dy_in_order)  # dy
     if spec.compacts and not kept.rows:
         replay.receive(Rb, row, regroup)  # x of the kept pairs, re-sent by their home ranks
     if spec.compacts and kept.rows and Rb < Rf and not compact_in_place:
@@ -145,8 +147,8 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
         for size in [row] + ([acts_row // 4] * 4 if kept.acts else []):
             replay.reach(Rb * size)
             replay.now += (Rb - Rf) * size
-    if chunked_bwd:  # one chunk's activations, and its dy rows gathered out of received order
-        replay.reach(work.bwd_chunk_rows * (acts_row + (row if regroup else 0)))
+    if chunked_bwd:  # one chunk's activations, and (read as received) its dy rows gathered
+        replay.reach(work.bwd_chunk_rows * (acts_row + (row if regroup and dy_in_order else 0)))
     else:
         replay.reach(0 if kept.acts else Rb * acts_row)
     if kept.acts:

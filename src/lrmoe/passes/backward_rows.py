@@ -62,9 +62,11 @@ class BackwardRows:
     kept_pos_N: torch.Tensor | None = None  # kept rows' positions in their strata, riding with dy
     kept_rows: torch.Tensor | None = None  # kept rows among the saved ones, slot-major (None: all)
     chunk: int | None = None  # rows recomputed at once where the plan chunks this rank's backward:
-    # dy then stays in received order, each chunk's rows read through the layout's regroup index
-    # and its dx written back in their place, so no slot-major copy of dy or dx is ever held
+    # an exact backward's dy then stays in received order, each chunk's rows read through the
+    # layout's regroup index and its dx written back in their place, so no slot-major copy of dy
+    # or dx is ever held
+    slot_major: bool = False  # dy arrives slot-major, chunked or not (a compacting backward's kept rows)
 
     @property
     def dy_slot_major(self) -> bool:
-        return self.chunk is None or self.layout.regroup_idx is None
+        return self.slot_major or self.chunk is None or self.layout.regroup_idx is None

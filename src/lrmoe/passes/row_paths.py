@@ -70,6 +70,16 @@ def backward_chunk(call: CallRecord) -> int | None:
     return chunk_R[call.layer.rank]
 
 
+def kept_rows_chunk(call: CallRecord, layout: RowLayout) -> int | None:
+    """Rows a compacting backward recomputes at once where its plan chunks it
+    (``BackwardConfig.recompute_chunk``; None: all of ``layout``'s rows at once). Its dy arrives
+    slot-major, chunked or not."""
+    chunk_R = call.plan.bwd_chunk_rows_R
+    if chunk_R is None or chunk_R[call.layer.rank] >= layout.recv_rows:
+        return None
+    return chunk_R[call.layer.rank]
+
+
 def _take_saved(call: CallRecord) -> torch.Tensor:
     rows_RD, call.saved.rows_RD = call.saved.rows_RD, None
     return rows_RD
@@ -140,8 +150,9 @@ class ResentRows(ForwardRows):
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
         plan = call.plan
-        return BackwardRows(row_layout(call.ids_TK.reshape(-1), plan.assign_kept(kept.kept_SE), plan.placement,
-                                       call.layer.rank, keep_P=kept.keep_P))
+        layout = row_layout(call.ids_TK.reshape(-1), plan.assign_kept(kept.kept_SE), plan.placement, call.layer.rank,
+                            keep_P=kept.keep_P)
+        return BackwardRows(layout, chunk=kept_rows_chunk(call, layout), slot_major=True)
 
     def dispatch(self, call, dy, x_TD, rows, channel):
         x_ND = x_TD[rows.layout.pair_idx // call.ids_TK.shape[1]]
@@ -154,9 +165,9 @@ class KeptInStrata(ForwardRows):
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
         if kept.keep_N is None:  # every pair kept: the forward's rows
-            return super().rows(call, kept, channel)
+            return BackwardRows(call.rows, chunk=kept_rows_chunk(call, call.rows), slot_major=True)
         layout, pos_N = kept_layout(call.rows, kept.strata, kept.keep_N)
-        return BackwardRows(layout, kept_pos_N=pos_N)
+        return BackwardRows(layout, kept_pos_N=pos_N, chunk=kept_rows_chunk(call, layout), slot_major=True)
 
     def dispatch(self, call, dy, x_TD, rows, channel):
         if rows.kept_pos_N is None:
@@ -175,7 +186,7 @@ class KeptByMask(ForwardRows):
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
         layout, kept_rows = restrict_to_kept(call.rows, kept.keep_P, channel)
-        return BackwardRows(layout, kept_rows=kept_rows)
+        return BackwardRows(layout, kept_rows=kept_rows, chunk=kept_rows_chunk(call, layout), slot_major=True)
 
     def dispatch(self, call, dy, x_TD, rows, channel):
         order_R = _compact_saved(call, rows.kept_rows, rows.layout)

@@ -43,9 +43,11 @@ class GlobalSelector(Selector):
         own, shared = layer.streams.next()
         scores_P, ids_P = _scores(call, g_TD, weights_TK, h_sq_P), call.ids_TK.reshape(-1)
         if layer.planner.noise is not None:  # priced as a local-sampled draw of this rank's pairs by expert
+            call.clock.lap("bwd_select")
             share_E = largest_remainder(plan.quota_E, plan.counts_SE)[layer.rank].to(ids_P.device)
             layer.planner.noise.add_pairs(scores_P, ids_P, plan.counts_SE[layer.rank], share_E, call.ids_TK.shape[0],
                                           layer.backward.score_power)
+            call.clock.lap("bwd_noise")
         sel = select(scores_P, ids_P, plan.counts_SE, plan.quota_E, layer.backward, channel, own, shared)
         return Kept(sel.keep_P, sel.kept_SE, sel.quota_E, sel.kept_SE.sum(0), sel.scale_P, sel.nonfinite)
 
@@ -71,7 +73,7 @@ class StrataSelector(Selector):
             sizes_G = plan.strata.sizes_G
             ranked = rank_scores(scores_N, strata.group_N, len(sizes_G), layer.backward.score_power)
             # (for the next step's ratio: nothing in this pass waits for it)
-            call.meanwhile(channel, "bwd_select", lambda: noise.add_pairs(
+            call.meanwhile(channel, "bwd_noise", lambda: noise.add_pairs(
                 scores_N, strata.group_N, torch.from_numpy(sizes_G), strata.share_G, call.ids_TK.shape[0],
                 layer.backward.score_power, ranked))
         if every_pair:

@@ -6,7 +6,8 @@ The forward's stages (:mod:`lrmoe.passes.forward`) and the backward's
 slowest rank, so a rank with less work shows it in its exchanges, not its compute. An exact call
 under a cap that exchanges in rounds has its exchanges inside ``compute``. Host time: on CUDA it
 is what the host spent issuing a stage, not the device's time (benchmarks/gpu_layer.py times the
-device).
+device). ``bwd_noise`` is the noise objective's measurement of the call's scores (for the next
+step's ratio), apart from ``bwd_select``'s scoring and draw.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 
 FORWARD_STAGES = ("plan", "fetch", "dispatch", "compute", "combine", "plan_backward", "save")
-BACKWARD_STAGES = ("router", "select", "dispatch", "compact", "compute", "home", "reduce_grads")
+BACKWARD_STAGES = ("router", "select", "noise", "dispatch", "compact", "compute", "home", "reduce_grads")
 STAGES = tuple(f"fwd_{s}" for s in FORWARD_STAGES) + tuple(f"bwd_{s}" for s in BACKWARD_STAGES)
 
 

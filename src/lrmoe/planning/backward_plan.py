@@ -18,12 +18,13 @@ from typing import Protocol
 import torch
 
 from lrmoe.config import BackwardConfig
-from lrmoe.memory.bytes import KEEP_NOTHING
+from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X_ACTS
 from lrmoe.planning import controller as controller_module
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.call_plan import BackwardPlan, CallPlan
 from lrmoe.planning.noise_control import NoiseController
 from lrmoe.planning.pair_rules import assign_pairs
+from lrmoe.planning.peaks import RankPeaks, kept_rows_bound, recompute_chunks
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.planning.time_objective import fastest_quotas
@@ -41,6 +42,7 @@ class BackwardPlanner(Protocol):
     steps: int
     rank: int
     noise: NoiseController | None
+    peaks: RankPeaks | None
 
     def keep_mode(self, placement: Placement, assignment: PairAssignment, chunk_rows_R: list[int] | None,
                    quota_E: torch.Tensor) -> str: ...
@@ -59,9 +61,10 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
     placement = plan.placement
     counts_SE = plan.forward_SE  # the pairs the forward computed: a forward drop's overflow has no backward
     counts_E = counts_SE.sum(0)
-    kept_capacity_R = None if planner.controller is None else \
-        planner.controller.kept_capacity(placement, int(counts_E.sum()))
     cfg = planner.backward.at_step(planner.steps)  # the warm phase's within trim_after steps
+    least = cfg.recompute_chunk if spec.compacts else 0  # (a masked backward recomputes every row)
+    kept_capacity_R = None if planner.controller is None else \
+        planner.controller.kept_capacity(placement, int(counts_E.sum()), least)
     quota_E, trimmed = quotas(planner, cfg, counts_E, placement, kept_capacity_R, plan.assignment)
     keep = plan.keep
     if spec.compacts:  # through the planner's method, which tests replace to force a mode
@@ -79,8 +82,16 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
         strata = plan_strata(plan.assignment, placement, counts_SE, quota_E, planner.rank)
         if spec.compacts and keep == KEEP_NOTHING:
             kept_assignment = assign_pairs(plan.rule, strata.kept_SE, placement, kept_capacity_R, plan.node_of)
+    bwd_chunk_rows_R = None
+    if least and keep != KEEP_X_ACTS:  # kept rows recomputed, in chunks where they do not fit at once
+        bwd_R = kept_rows_bound(plan.assignment, quota_E)
+        if keep == KEEP_NOTHING:  # re-spread within the kept capacities
+            bwd_R = kept_assignment.rows_R() if kept_assignment is not None else kept_capacity_R or bwd_R
+        bwd_chunk_rows_R = recompute_chunks(planner.peaks, placement, plan.assignment, plan.chunk_rows_R, keep,
+                                            bwd_R, least)
     return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment,
-                        None if planner.noise is None else trimmed)
+                        None if planner.noise is None else trimmed, bwd_chunk_rows_R,
+                        None if bwd_chunk_rows_R is None else bwd_chunk_rows_R[planner.rank])
 
 
 def quotas(planner: BackwardPlanner, cfg: BackwardConfig, counts_E: torch.Tensor, placement: Placement,

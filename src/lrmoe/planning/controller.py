@@ -8,7 +8,9 @@ the layer's expert side and dtype size s:
   ‖h‖² for the selective systems) and, per row being computed, gate, up, silu(gate) and h
   (``4·F·s``): where all rows do not fit, they are computed in chunks that do; where not even
   x and y of every row fit, the forward's rows move in rounds (nothing kept to the backward);
-- a kept backward row holds dy, x and the recomputed gate, up, silu, h: ``(2·D + 4·F)·s``;
+- a kept backward row holds dy, x and the recomputed gate, up, silu, h: ``(2·D + 4·F)·s``
+  (recomputed ``n`` rows at a time, ``BackwardConfig.recompute_chunk``: ``3·D·s`` a row, dy's
+  slot-major copy counted, beside one chunk's ``4·F·s·n``);
 - with replicas, their gradients travel to owners through a buffer of one copy's parameters
   per replica, and the owned weights are copied once more into the concatenated slot weights.
 
@@ -163,15 +165,17 @@ class Controller:
             raise ValueError("a network_fraction budget needs the call's pairs")
         return [int(self.network_fraction * math.ceil(pairs / self.world) * self.costs.bwd_wire)] * self.world
 
-    def kept_capacity(self, placement: Placement, pairs: int | None = None) -> list[int]:
+    def kept_capacity(self, placement: Placement, pairs: int | None = None, recompute_chunk: int = 0) -> list[int]:
         """Backward rows each rank can keep within its memory (and network) budget, in a call of
-        ``pairs`` pairs (needed by a ``network_fraction`` budget)."""
+        ``pairs`` pairs (needed by a ``network_fraction`` budget). ``recompute_chunk``: the
+        backward recomputes at most that many rows' activations at once
+        (``BackwardConfig.recompute_chunk``; 0: every kept row's at once)."""
         caps = []
         # a kept row's dy, x and recomputed activations; at least dy, x and x's slot-major copy
-        per_row = max(self.costs.bwd_kept, 3 * self.costs.row)
+        per_row = max(self.costs.bwd_kept, 3 * self.costs.row) if not recompute_chunk else 3 * self.costs.row
         network_R = self.network_for(pairs)
         for r in range(self.world):
-            room = self.memory_R[r] - self._slot_bytes(placement, r)
+            room = self.memory_R[r] - self._slot_bytes(placement, r) - recompute_chunk * self.costs.fwd_compute
             cap = max(room, 0) // per_row
             if network_R is not None:
                 cap = min(cap, network_R[r] // self.costs.bwd_wire)

@@ -175,9 +175,15 @@ class RankPeaks:
         return Fit(placement, assignment, list(chunk_R), list(peak_R), ok, bwd, self.keep, split)
 
 
+def kept_rows_bound(assignment: PairAssignment, quota_E: torch.Tensor) -> list[int]:
+    """Most backward rows each rank computes where kept pairs stay where the forward computed
+    them: Σ_e min(its forward rows of e, q_e)."""
+    return torch.minimum(assignment.rows_ER(), quota_E.view(-1, 1)).sum(0).tolist()
+
+
 def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
               chunk_rows_R: list[int] | None, quota_E: torch.Tensor, network_R: list[int] | None,
-              local: bool) -> str:
+              local: bool, bwd_chunk: int = 0) -> str:
     """What a compacting backward's expert side keeps from forward to backward, identical on
     every rank (decided from the plan alone): without a cap (``peaks`` None) the fastest, x and
     activations (no re-sent x, no recompute); under a cap the richest mode whose predicted peak
@@ -185,13 +191,13 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     then computed where the forward computed them, so rank r's backward rows are at most
     Σ_e min(its forward rows of e, q_e); x and activations need an unchunked forward. ``local``:
     the selection is local (a kept row's position rides with dy; a global one sends a kept byte
-    per forward row)."""
+    per forward row). ``bwd_chunk``: a mode that recomputes may do so this many rows at a time
+    (``BackwardConfig.recompute_chunk``; 0: every kept row at once)."""
     if peaks is None:
         return KEEP_X_ACTS
     world, bm = peaks.world, peaks.bytes
-    rows_ER = assignment.rows_ER()
-    fwd_R = rows_ER.sum(0).tolist()
-    bwd_R = torch.minimum(rows_ER, quota_E.view(-1, 1)).sum(0).tolist()
+    fwd_R = assignment.rows_R()
+    bwd_R = kept_rows_bound(assignment, quota_E)
     chunk_R = chunk_rows_R or [None] * world
     # kept rows' dy in and dx out, plus a local selection's kept positions or a global one's
     # kept byte per forward row
@@ -203,8 +209,33 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     for mode in KEEP_MODES[:-1]:
         if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):
             continue
+        chunk = bwd_chunk if bwd_chunk and mode != KEEP_X_ACTS else None
         if all(peaks.peak(replace(peaks.work(placement, r, int(fwd_R[r]), True, chunk_R[r]),
-                                  bwd_rows=int(bwd_R[r]), keep=mode)) <= peaks.memory_R[r]
+                                  bwd_rows=int(bwd_R[r]), keep=mode, bwd_chunk_rows=chunk)) <= peaks.memory_R[r]
                for r in range(world)):
             return mode
     return KEEP_NOTHING
+
+
+def recompute_chunks(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
+                     chunk_rows_R: list[int] | None, keep: str, bwd_R: list[int], least: int) -> list[int]:
+    """Rows each rank's compacting backward recomputes at once, keeping ``keep`` (x, or nothing)
+    with at most ``bwd_R`` kept rows (``BackwardConfig.recompute_chunk``): without a cap
+    ``least``; under one every kept row at once where that fits (``bwd_R``'s count), else the
+    largest chunk that does (the kept capacities reserved room for ``least`` rows)."""
+    if peaks is None:
+        return [least] * len(placement.slots)
+    fwd_R = assignment.rows_R()
+    chunk_R = chunk_rows_R or [None] * peaks.world
+    out = []
+    for r in range(peaks.world):
+        work = replace(peaks.work(placement, r, int(fwd_R[r]), True, chunk_R[r]), bwd_rows=int(bwd_R[r]), keep=keep)
+
+        def peak_of(c: int, work: RankWork = work) -> int:
+            return peaks.peak(replace(work, bwd_chunk_rows=c))
+
+        rows = max(int(bwd_R[r]), 1)
+        fits_whole = peaks.peak(work) <= peaks.memory_R[r]
+        out.append(rows if fits_whole or rows == 1 else peaks._largest(peak_of, rows, peaks.memory_R[r])[0])
+    return out
+

@@ -280,7 +280,7 @@ class LayerPlanner:
             return self.backward.keep
         network_R = None if self.controller is None else self.controller.network_for(sum(assignment.rows_R()))
         return peak_model.keep_mode(self.peaks, placement, assignment, chunk_rows_R, quota_E, network_R,
-                                    self.backward.local)
+                                    self.backward.local, self.backward.recompute_chunk)
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict:
