@@ -43,6 +43,21 @@ class Fit:
     rounds: bool = False  # lrmoe's forward moves its rows in rounds (its controller's last resort)
 
 
+def largest_fitting(peak_of: Callable[[int], int], rows: int, cap: int) -> tuple[int, int]:
+    """(the largest chunk below ``rows`` whose peak ``peak_of(chunk)`` fits ``cap``, its peak); one
+    row and its peak where none does."""
+    lo, hi = 1, rows - 1
+    if peak_of(lo) > cap:
+        return lo, peak_of(lo)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak_of(mid) <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, peak_of(lo)
+
+
 @dataclass(frozen=True)
 class RankPeaks:
     """Predicted peaks of one layer's ranks under their caps ``memory_R``, keeping ``keep`` from
@@ -91,20 +106,6 @@ class RankPeaks:
     def peak(self, work: RankWork) -> int:
         return expert_side_peak(self.spec, self.config.dim, self.config.ffn_dim, self.bytes.dtype_bytes, work)
 
-    def _largest(self, peak_of: Callable[[int], int], rows: int, cap: int) -> tuple[int, int]:
-        """(the largest chunk below ``rows`` whose peak fits ``cap``, its peak); one row and its
-        peak where none does."""
-        lo, hi = 1, rows - 1
-        if peak_of(lo) > cap:
-            return lo, peak_of(lo)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if peak_of(mid) <= cap:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, peak_of(lo)
-
     def rank_fit(self, placement: Placement, r: int, rows: int, training: bool
                  ) -> tuple[int, int | None, int, RowSplit | None]:
         """(forward chunk rows, backward chunk rows or None, predicted peak) of rank r computing
@@ -124,13 +125,13 @@ class RankPeaks:
         peak = self.peak(self.work(placement, r, rows, training))
         if peak <= cap or not self.chunks or rows <= 1:
             return max(rows, 1), None, peak, None
-        chunk, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, training, c)), rows, cap)
+        chunk, peak = largest_fitting(lambda c: self.peak(self.work(placement, r, rows, training, c)), rows, cap)
         if peak <= cap or not (training and self.backward_chunks):
             return chunk, None, peak, None
-        bwd, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, True, 1, c)), rows, cap)
+        bwd, peak = largest_fitting(lambda c: self.peak(self.work(placement, r, rows, True, 1, c)), rows, cap)
         if peak > cap:
             return 1, 1, peak, None
-        chunk, peak = self._largest(lambda c: self.peak(self.work(placement, r, rows, True, c, bwd)), rows, cap)
+        chunk, peak = largest_fitting(lambda c: self.peak(self.work(placement, r, rows, True, c, bwd)), rows, cap)
         return chunk, bwd, peak, None
 
     def _round_fit(self, placement: Placement, r: int, rows: int, training: bool) -> tuple[int, int | None, int]:
@@ -139,7 +140,7 @@ class RankPeaks:
         def peak_of(c: int) -> int:
             return self.peak(self.work(placement, r, rows, training, c, c if training else None))
 
-        chunk, peak = self._largest(peak_of, rows + 1, self.memory_R[r]) if rows > 1 else (1, peak_of(1))
+        chunk, peak = largest_fitting(peak_of, rows + 1, self.memory_R[r]) if rows > 1 else (1, peak_of(1))
         return chunk, chunk if training else None, peak
 
     def rows_within(self, placement: Placement, r: int, training: bool) -> int:
@@ -236,6 +237,6 @@ def recompute_chunks(peaks: RankPeaks | None, placement: Placement, assignment: 
 
         rows = max(int(bwd_R[r]), 1)
         fits_whole = peaks.peak(work) <= peaks.memory_R[r]
-        out.append(rows if fits_whole or rows == 1 else peaks._largest(peak_of, rows, peaks.memory_R[r])[0])
+        out.append(rows if fits_whole or rows == 1 else largest_fitting(peak_of, rows, peaks.memory_R[r])[0])
     return out
 
