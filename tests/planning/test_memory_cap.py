@@ -147,14 +147,21 @@ def _predicted(planner: LayerPlanner, plan, mode: str) -> list[int]:
         pl.num_copies > cfg.num_experts, keep=mode)) for r in range(planner.world)]
 
 
-def test_the_choice_is_the_richest_that_fits():
-    cfg, world = MoEConfig(**QWEN), 2
+def _hot_counts_SE(cfg: MoEConfig, world: int) -> torch.Tensor:
+    """Routed pairs per source rank and expert of 96 tokens with one hot expert, split evenly."""
     sd, x, _ = make_problem(cfg, 96, 5, "hot")
     layer = MoELayer(cfg)
     layer.load_full_state_dict(sd)
     with torch.no_grad():
         ids = layer.router(x).ids_TK
-    counts_SE = torch.stack([torch.bincount(ids[r * 48:(r + 1) * 48].flatten(), minlength=8) for r in range(world)])
+    n = 96 // world
+    return torch.stack([torch.bincount(ids[r * n:(r + 1) * n].flatten(), minlength=cfg.num_experts)
+                        for r in range(world)])
+
+
+def test_the_choice_is_the_richest_that_fits():
+    cfg, world = MoEConfig(**QWEN), 2
+    counts_SE = _hot_counts_SE(cfg, world)
     spec, bw = spec_of("lrmoe"), BackwardConfig(ratio=0.9)
     assert LayerPlanner(spec, cfg, world, backward=bw).plan_call(counts_SE).keep == KEEP_X_ACTS, "no cap: fastest"
     seen = set()
@@ -182,14 +189,9 @@ def _peak(cfg: MoEConfig, work: RankWork, bwd_chunk: int) -> int:
 def test_recomputing_in_chunks_keeps_more_pairs_within_the_cap():
     """``recompute_chunk``: a kept row then costs dy and x beside one chunk's activations, so a
     cap that trims keeps more pairs; every rank's chunk is the largest whose predicted peak fits
-    (its kept rows at once where they fit), and richer modes keep their order."""
+    (its kept rows at once where they fit)."""
     cfg, world = MoEConfig(**QWEN), 2
-    sd, x, _ = make_problem(cfg, 96, 5, "hot")
-    layer = MoELayer(cfg)
-    layer.load_full_state_dict(sd)
-    with torch.no_grad():
-        ids = layer.router(x).ids_TK
-    counts_SE = torch.stack([torch.bincount(ids[r * 48:(r + 1) * 48].flatten(), minlength=8) for r in range(world)])
+    counts_SE = _hot_counts_SE(cfg, world)
     spec, more = spec_of("lrmoe"), 0
     for cap in range(60_000, 135_000, 5_000):
         plans = {}

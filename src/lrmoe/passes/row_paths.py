@@ -61,21 +61,14 @@ def _packed_in_order(dy: DyRows, layout: RowLayout, order_R: torch.Tensor | None
     return dy_RD
 
 
-def backward_chunk(call: CallRecord) -> int | None:
-    """Rows this rank's backward recomputes at once where the plan chunks it (None: all at once;
-    a call keeping by the row always works in chunks, reading dy in its received order)."""
+def backward_chunk(call: CallRecord, layout: RowLayout | None = None) -> int | None:
+    """Rows this rank's backward recomputes at once where the plan chunks it (None: all of
+    ``layout``'s rows at once, the forward's by default; a call keeping by the row always works in
+    chunks, reading dy in its received order). A compacting backward's kept rows are chunked by
+    ``BackwardConfig.recompute_chunk``; their dy arrives slot-major, chunked or not."""
     chunk_R = call.plan.bwd_chunk_rows_R
-    if chunk_R is None or (chunk_R[call.layer.rank] >= call.rows.recv_rows and call.plan.split_R is None):
-        return None
-    return chunk_R[call.layer.rank]
-
-
-def kept_rows_chunk(call: CallRecord, layout: RowLayout) -> int | None:
-    """Rows a compacting backward recomputes at once where its plan chunks it
-    (``BackwardConfig.recompute_chunk``; None: all of ``layout``'s rows at once). Its dy arrives
-    slot-major, chunked or not."""
-    chunk_R = call.plan.bwd_chunk_rows_R
-    if chunk_R is None or chunk_R[call.layer.rank] >= layout.recv_rows:
+    rows = (call.rows if layout is None else layout).recv_rows
+    if chunk_R is None or (chunk_R[call.layer.rank] >= rows and call.plan.split_R is None):
         return None
     return chunk_R[call.layer.rank]
 
@@ -152,7 +145,7 @@ class ResentRows(ForwardRows):
         plan = call.plan
         layout = row_layout(call.ids_TK.reshape(-1), plan.assign_kept(kept.kept_SE), plan.placement, call.layer.rank,
                             keep_P=kept.keep_P)
-        return BackwardRows(layout, chunk=kept_rows_chunk(call, layout), slot_major=True)
+        return BackwardRows(layout, chunk=backward_chunk(call, layout), slot_major=True)
 
     def dispatch(self, call, dy, x_TD, rows, channel):
         x_ND = x_TD[rows.layout.pair_idx // call.ids_TK.shape[1]]
@@ -165,9 +158,9 @@ class KeptInStrata(ForwardRows):
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
         if kept.keep_N is None:  # every pair kept: the forward's rows
-            return BackwardRows(call.rows, chunk=kept_rows_chunk(call, call.rows), slot_major=True)
+            return BackwardRows(call.rows, chunk=backward_chunk(call, call.rows), slot_major=True)
         layout, pos_N = kept_layout(call.rows, kept.strata, kept.keep_N)
-        return BackwardRows(layout, kept_pos_N=pos_N, chunk=kept_rows_chunk(call, layout), slot_major=True)
+        return BackwardRows(layout, kept_pos_N=pos_N, chunk=backward_chunk(call, layout), slot_major=True)
 
     def dispatch(self, call, dy, x_TD, rows, channel):
         if rows.kept_pos_N is None:
@@ -186,7 +179,7 @@ class KeptByMask(ForwardRows):
 
     def rows(self, call: CallRecord, kept: Kept, channel: Channel) -> BackwardRows:
         layout, kept_rows = restrict_to_kept(call.rows, kept.keep_P, channel)
-        return BackwardRows(layout, kept_rows=kept_rows, chunk=kept_rows_chunk(call, layout), slot_major=True)
+        return BackwardRows(layout, kept_rows=kept_rows, chunk=backward_chunk(call, layout), slot_major=True)
 
     def dispatch(self, call, dy, x_TD, rows, channel):
         order_R = _compact_saved(call, rows.kept_rows, rows.layout)
