@@ -18,13 +18,14 @@ import torch
 
 from lrmoe.selection.arrays import (
     Array,
+    block_sum,
+    expand,
     float64,
     group_sizes,
     on_host,
     order_by_group_then_key,
     position_in_block,
     segment_cumsum,
-    segment_sum,
     xp,
 )
 
@@ -67,8 +68,8 @@ def rank(key_N: Array, group_N: Array, G: int) -> Ranked:
     order = order_by_group_then_key(group_N, k_all)
     g, key = group_N[order], k_all[order]
     n_G = group_sizes(g, G)
-    _, excl = segment_cumsum(key, g, n_G)  # Σ of the group's keys before the pair
-    tail = segment_sum(key, g, G)[g] - excl
+    _, excl = segment_cumsum(key, n_G)  # Σ of the group's keys before the pair
+    tail = expand(block_sum(key, n_G), n_G, len(key)) - excl
     return Ranked(order, g, key, n_G, n_G.cumsum(0) - n_G, position_in_block(g, n_G), tail)
 
 

@@ -24,13 +24,14 @@ import torch
 from lrmoe.selection.arrays import (
     Array,
     as_tensor,
+    block_sum,
+    expand,
     float64,
     group_sizes,
     on_host,
     order_by_group_then_key,
     position_in_block,
     segment_cumsum,
-    segment_sum,
     xp,
     zeros,
 )
@@ -47,61 +48,72 @@ def inclusion_probabilities(score_P: Array, groups_P: Array, quota_G: Array, flo
     """π per pair for groups of non-negative finite scores, Σ_group π = quota (see the module
     docstring). Returns (order, π in that order, block sizes): ``order`` sorts pairs by (group,
     score desc, index). ``ranked``: these scores already ranked in these groups (the caller's
-    :func:`~lrmoe.selection.ranked.rank`), else ranked here."""
+    :func:`~lrmoe.selection.ranked.rank`), else ranked here.
+
+    What depends on the group alone is worked out per group and spread over its pairs as one
+    ``π·a_g + b_g`` (:func:`_per_group`): a few passes over the pairs instead of a few dozen."""
     G, w = len(quota_G), xp(score_P)
     r = ranked if ranked is not None else rank(score_P, groups_P, G)
-    g, s, n_G, pos, tail = r.g, r.key, r.n_G, r.pos, r.tail
-    q_G = float64(w.minimum(quota_G, n_G))
-    q, n = q_G[g], float64(n_G)[g]
+    s, n_G, N = r.key, r.n_G, len(r.key)
+    q_G, n = float64(w.minimum(quota_G, n_G)), float64(n_G)
+    q = expand(q_G, n_G, N)
     # pair m (tail sum T_m = Σ_{i ≥ m} s_i in its block) is capped iff m < q and
     # s_m·(q − m) ≥ T_m, a prefix of the block (the condition only weakens as m grows)
-    capped = (pos < q) & (s * (q - pos) >= tail) & (tail > 0)
-    m_G = segment_sum(float64(capped), g, G)
+    capped = (r.pos < q) & (s * (q - r.pos) >= r.tail) & (r.tail > 0)
+    m_G = block_sum(float64(capped), n_G)
     # the rest share q − m in proportion to their scores (uniformly if their scores are all zero)
-    rest = segment_sum(w.where(capped, 0.0, s), g, G)[g]
-    left = (q_G - m_G)[g]
-    by_score = w.where(rest > 0, left * s / rest.clip(min=1e-300), left / (n - m_G[g]).clip(min=1))
-    pi = w.where(capped, 1.0, by_score).clip(max=1.0)
-    lam = (floor * n / q.clip(min=1)).clip(max=1.0)
-    pi = (1 - lam) * pi + lam * q / n.clip(min=1)
-    pi = _sum_to_quota(w.where(q > 0, pi, 0.0), g, q_G)
-    return r.order, w.where(q >= n, 1.0, pi), n_G  # a group kept whole: π = 1 exactly
+    rest_G, left_G = block_sum(s * ~capped, n_G), q_G - m_G
+    by_score = rest_G > 0
+    pi = _per_group(s, n_G, w.where(by_score, left_G / rest_G.clip(min=1e-300), 0.0),
+                    w.where(by_score, 0.0, left_G / (n - m_G).clip(min=1))).clip(max=1.0)
+    pi[capped] = 1.0
+    # mixed with the uniform q/n (λ = floor·n/q, at most 1); a group that keeps nothing: π = 0
+    lam_G = (floor * n / q_G.clip(min=1)).clip(max=1.0)
+    pi = _per_group(pi, n_G, w.where(q_G > 0, 1 - lam_G, 0.0), lam_G * q_G / n.clip(min=1))
+    return r.order, _sum_to_quota(pi, n_G, q_G), n_G
 
 
-def _sum_to_quota(pi: Array, g: Array, q_G: Array) -> Array:
-    """π with each group's sum exactly its quota, every π still in [0, 1].
+def _per_group(x: Array, sizes_G: Array, a_G: Array, b_G: Array) -> Array:
+    """x·a_g + b_g for each element x of block g (block-sorted, ``sizes_G`` a block)."""
+    return x * expand(a_G, sizes_G, len(x)) + expand(b_G, sizes_G, len(x))
+
+
+def _sum_to_quota(pi: Array, sizes_G: Array, q_G: Array) -> Array:
+    """π with each group's sum exactly its quota, every π still in [0, 1]; a group kept whole
+    gets π = 1 exactly (block-sorted π, ``sizes_G`` a group).
 
     In exact arithmetic the capped π above already sum to q. In floats they may not: the tail
     sums come from one cumulative sum over every group, so a tail of scores many orders of
     magnitude below the ones before it is lost in rounding, a pair that should be capped is not,
     and its group sums short of q (at q = n, some pair gets π < 1). The systematic sample would
     then keep fewer than q — and a local selection's split sizes rely on exactly q. A deficit is
-    handed to each pair in proportion to its room 1 − π (never past 1: the rooms sum to
-    n − Σπ ≥ q − Σπ); an excess scales the group down. Any π in [0, 1] summing to q is an exact
-    inclusion probability of the sample drawn with it, so the 1/π weights stay unbiased."""
-    G = len(q_G)
-    total_G = segment_sum(pi, g, G)
-    room_G = segment_sum(1 - pi, g, G)
-    deficit = (q_G - total_G)[g]
-    topped = pi + deficit.clip(min=0) * (1 - pi) / room_G[g].clip(min=1e-300)
-    scaled = pi * (q_G / total_G.clip(min=1e-300))[g]
-    return xp(pi).where(deficit > 0, topped, scaled).clip(0.0, 1.0)
+    handed to each pair in proportion to its room 1 − π (π + t·(1 − π), t = deficit / room, never
+    past 1: the rooms sum to n − Σπ ≥ q − Σπ); an excess scales the group down. Any π in [0, 1]
+    summing to q is an exact inclusion probability of the sample drawn with it, so the 1/π
+    weights stay unbiased."""
+    w, n = xp(pi), float64(sizes_G)
+    total_G = block_sum(pi, sizes_G)
+    deficit_G = q_G - total_G
+    short = deficit_G > 0
+    t_G = w.where(short, deficit_G / block_sum(1 - pi, sizes_G).clip(min=1e-300), 0.0)
+    scale_G = w.where(short, 1 - t_G, q_G / total_G.clip(min=1e-300))
+    whole = q_G >= n  # π = 1 exactly, whatever the rounding
+    return _per_group(pi, sizes_G, w.where(whole, 0.0, scale_G), w.where(whole, 1.0, t_G)).clip(0.0, 1.0)
 
 
-def systematic_sample(order: Array, pi_sorted: Array, g: Array, sizes_G: Array, quota_G: Array, u_G: Array
-                      ) -> Array:
+def systematic_sample(order: Array, pi_sorted: Array, sizes_G: Array, quota_G: Array, u_G: Array) -> Array:
     """Keep mask (over the original pairs) of a systematic sample: block g's points
-    u_g + j, j < quota_g, on the line of its pairs' intervals (see the module docstring).
-    ``g``: each pair's group in ``order``."""
-    w = xp(pi_sorted)
+    u_g + j, j < quota_g, on the line of its pairs' intervals (see the module docstring);
+    ``pi_sorted`` in ``order``, blocks of ``sizes_G`` pairs."""
+    w, N = xp(pi_sorted), len(pi_sorted)
     q_G = float64(w.minimum(quota_G, sizes_G))
-    total_G = segment_sum(pi_sorted, g, len(q_G))
+    total_G = block_sum(pi_sorted, sizes_G)
     # rescale each block's line to length exactly q (float rounding of Σ π), so the q points fit
-    scaled = pi_sorted * w.where(total_G > 0, q_G / total_G.clip(min=1e-300), 0.0)[g]
-    incl, excl = segment_cumsum(scaled, g, sizes_G)
-    u = (float64(u_G) * (1 - 2 * _EDGE) + _EDGE)[g]
+    scaled = pi_sorted * expand(w.where(total_G > 0, q_G / total_G.clip(min=1e-300), 0.0), sizes_G, N)
+    incl, excl = segment_cumsum(scaled, sizes_G)
+    u = expand(float64(u_G[:len(sizes_G)]) * (1 - 2 * _EDGE) + _EDGE, sizes_G, N)
     hits = w.ceil(incl - u) - w.ceil(excl - u)  # points in (excl, incl] shifted by u
-    keep = zeros(len(order), order, "bool")
+    keep = zeros(N, order, "bool")
     keep[order] = hits >= 1
     return keep
 
@@ -112,7 +124,7 @@ def sample_arrays(score_P: Array, groups_P: Array, quota_G: Array, u_G: Array, f
     ``ranked`` as :func:`inclusion_probabilities` takes it."""
     r = ranked if ranked is not None else rank(score_P, groups_P, len(quota_G))
     order, pi_sorted, n_G = inclusion_probabilities(score_P, groups_P, quota_G, floor, r)
-    keep = systematic_sample(order, pi_sorted, r.g, n_G, quota_G, u_G)
+    keep = systematic_sample(order, pi_sorted, n_G, quota_G, u_G)
     pi = 0 * pi_sorted
     pi[order] = pi_sorted
     return keep, pi

@@ -181,7 +181,7 @@ def _select_arrays(scores_N: Array, group_N: Array, share_G: Array, u_G: Array |
   # non-finite pairs first in their stratum, the rest drawn in stratum G
         bad = int64(~finite)
         nf_G = segment_sum(bad, group_N, G)
-        nf_rank, _ = segment_cumsum(bad, group_N, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite
+        nf_rank, _ = segment_cumsum(bad, group_sizes(group_N, G))  # 1, 2, … over a stratum's non-finite
         keep_nf, nonfinite = ~finite & (nf_rank <= share_G[group_N]), (nf_G > share_G).any()
         rest_G = w.concatenate([(share_G - nf_G).clip(min=0), 0 * share_G[:1]])  # stratum G: the non-finite pairs
         rest_group = w.where(finite, group_N, G)
