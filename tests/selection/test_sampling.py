@@ -10,7 +10,7 @@ import torch
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
 from lrmoe.parallel import comm
-from lrmoe.selection.sampling import sample
+from lrmoe.selection.sampling import inclusion_probabilities, sample
 from tests.helpers.layer import QWEN, Recorder, close, make_problem, split_tokens
 from tests.oracles.dense_moe import reference_grads
 
@@ -142,3 +142,42 @@ def test_sampled_is_unbiased(selection):
         assert z2 < 2.0, f"{k}: mean squared z {z2:.2f}, biased"
         biased = ((0.9 * mean - ws.double())[varies] / sem[varies]).square().mean().item()
         assert biased > 4.0, f"{k}: the test cannot see a 10% bias ({biased:.2f})"
+
+
+def _oracle_pi(s: list[float], q: int, floor: float) -> list[float]:
+    """One group's π by the definition, pair by pair (scores descending): the first m pairs
+    capped at 1 while s_m·(q − m) ≥ Σ_{i ≥ m} s_i, the rest q − m in proportion to their scores,
+    then mixed with the uniform q/n by λ = min(1, floor·n/q)."""
+    n = len(s)
+    if q == 0:
+        return [0.0] * n
+    if q >= n:
+        return [1.0] * n
+    m = 0
+    while m < q and sum(s[m:]) > 0 and s[m] * (q - m) >= sum(s[m:]):
+        m += 1
+    rest = sum(s[m:])
+    pi = [1.0] * m + [(q - m) * x / rest if rest > 0 else (q - m) / (n - m) for x in s[m:]]
+    lam = min(1.0, floor * n / q)
+    return [(1 - lam) * p + lam * q / n for p in pi]
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.01, 0.3])
+def test_inclusion_probabilities_match_the_definition(floor):
+    """π per pair against a per-group oracle, capped pairs, all-zero groups and whole groups
+    included: Σπ = q and unbiasedness hold for any π, so they cannot tell a wrong π from a right one."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [7, 1, 0, 12, 5, 9, 3]
+    quota = [3, 1, 0, 12, 0, 4, 2]
+    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    scores = torch.exp(3 * torch.randn(len(groups), generator=gen, dtype=torch.float64))
+    scores[groups == 5] = 0.0  # no score to share by: uniform
+    scores[0] = 1e3  # a pair capped at 1
+    order, pi, _ = inclusion_probabilities(scores.numpy(), groups.numpy(), torch.tensor(quota).numpy(), floor)
+    got = torch.zeros(len(groups), dtype=torch.float64)
+    got[torch.from_numpy(order)] = torch.from_numpy(pi)
+    for g, q in enumerate(quota):
+        idx = (groups == g).nonzero().flatten()
+        ranked = idx[torch.argsort(scores[idx], descending=True, stable=True)]
+        want = _oracle_pi(scores[ranked].tolist(), q, floor)
+        assert got[ranked].tolist() == pytest.approx(want, rel=1e-12, abs=1e-15), g

@@ -104,7 +104,8 @@ def _sum_to_quota(pi: Array, sizes_G: Array, q_G: Array) -> Array:
 def systematic_sample(order: Array, pi_sorted: Array, sizes_G: Array, quota_G: Array, u_G: Array) -> Array:
     """Keep mask (over the original pairs) of a systematic sample: block g's points
     u_g + j, j < quota_g, on the line of its pairs' intervals (see the module docstring);
-    ``pi_sorted`` in ``order``, blocks of ``sizes_G`` pairs."""
+    ``pi_sorted`` in ``order``, blocks of ``sizes_G`` pairs; ``u_G`` an offset a block, any after
+    the last unread (a local selection draws one for its non-finite stratum whether it has one)."""
     w, N = xp(pi_sorted), len(pi_sorted)
     q_G = float64(w.minimum(quota_G, sizes_G))
     total_G = block_sum(pi_sorted, sizes_G)
