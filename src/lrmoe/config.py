@@ -24,6 +24,7 @@ LOCAL_SELECTIONS = ("local", "local-sampled")
 KEEP_X_ACTS, KEEP_X, KEEP_NOTHING = "x+acts", "x", "nothing"
 KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
 OBJECTIVES = ("memory", "time", "noise")  # what the controller's quotas minimise beyond fitting (BackwardConfig)
+VARIATE_SCORES = ("residuals", "contributions")  # what a control variate's draw is proportional to (BackwardConfig)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -171,7 +172,10 @@ class BackwardConfig:
     control variate (:mod:`lrmoe.passes.control`): each expert side's mean x, h and SwiGLU
     derivatives over its forward rows stand in for every pair, the kept pairs' 1/π-weighted
     residuals correct them, unbiased; the scores (and the noise objective's pricing) are then
-    the residuals'. One row of D a (source, slot) goes on the wire.
+    the residuals'. One row of D a (source, slot) goes on the wire. ``variate_scores``:
+    "residuals" (the default) as said; "contributions" draws and prices by the pairs' own
+    contributions, as without the variate (the same π, so dx, which the variate does not
+    correct, is no noisier), and the variate only corrects the weight gradients.
     ``recompute_chunk``: rows a compacting backward that recomputes its kept rows' activations
     (keeping x, or nothing) recomputes at once, the weight gradients summed over chunks; 0 (the
     default) recomputes every kept row at once. Under a memory cap the kept capacity then counts
@@ -196,6 +200,7 @@ class BackwardConfig:
     min_ratio_after: tuple[tuple[int, Floor], ...] = ()
     noise_threshold: float = 0.1  # docs/convergence.md "The noise objective": chosen on seeds 0-2
     control_variate: bool = False
+    variate_scores: str = "residuals"
     recompute_chunk: int = 0
 
     def __post_init__(self) -> None:
@@ -230,6 +235,8 @@ class BackwardConfig:
         fraction("warm_ratio", self.warm_ratio)
         if not isinstance(self.control_variate, bool):
             raise bad("control_variate", self.control_variate, "expected true or false")
+        if self.variate_scores not in VARIATE_SCORES:
+            raise bad("variate_scores", self.variate_scores, f"expected one of {VARIATE_SCORES}")
         if isinstance(self.recompute_chunk, bool) or not isinstance(self.recompute_chunk, int) \
                 or self.recompute_chunk < 0:
             raise bad("recompute_chunk", self.recompute_chunk, "expected an integer >= 0 (rows recomputed at once; "

@@ -14,10 +14,12 @@ slot's h and x are dominated by their means and the residuals carry a small shar
 contributions (docs/convergence.md "A control variate").
 
 What it costs: the means from a few rows a slot (:data:`SAMPLE_ROWS`, recomputed in the
-forward), the home side's bracket a (destination, slot) — a segment sum over its pairs — sent
-to the slot's holder as one row of D (one small all-to-all), and a rank-1 update a slot of each
-weight gradient. The scores become the residuals' (w²‖g‖²‖h − h̄‖²), so the sampler draws by
-what the variate leaves and the noise objective prices it.
+forward), the home side's bracket a (destination, slot) — coefficients a (destination slot,
+token) times g, one small GEMM — sent to the slot's holder as one row of D (one small
+all-to-all), and a rank-1 update a slot of each weight gradient. By default the scores become
+the residuals' (w²‖g‖²‖h − h̄‖²), so the sampler draws by what the variate leaves and the noise
+objective prices it; ``BackwardConfig(variate_scores="contributions")`` keeps the pairs' own
+scores, and with them the plain draw (dx, which the variate does not correct, no noisier).
 """
 
 from __future__ import annotations
@@ -80,8 +82,11 @@ def dropped_mass(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor,
     dest_N = torch.repeat_interleave(torch.arange(len(slots_W), device=device),
                                      torch.tensor(rows.send_splits, device=device), output_size=len(pairs_N))
     slot_N = comm.to_device(placement.slot_index, device)[dest_N, call.ids_TK.reshape(-1)[pairs_N]]
-    send_XD = g_TD.new_zeros(sum(slots_W), g_TD.shape[1])
-    send_XD.index_add_(0, offset_W[dest_N] + slot_N, left_P[pairs_N].unsqueeze(1) * g_TD[pairs_N // K])
+    # as (destination slots × tokens) coefficients times g: one small GEMM, where a pair-by-pair
+    # sum would first copy a row of g for every pair
+    coef_XT = g_TD.new_zeros(sum(slots_W), g_TD.shape[0])
+    coef_XT.index_put_((offset_W[dest_N] + slot_N, pairs_N // K), left_P[pairs_N], accumulate=True)
+    send_XD = coef_XT @ g_TD
     mine = slots_W[call.layer.rank]
     recv_XD = channel.all_to_all(send_XD, slots_W, [mine] * len(slots_W))
     return recv_XD.view(len(slots_W), mine, -1).sum(0)

@@ -183,9 +183,11 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
         torch.empty(R, dtype=torch.float64, device=rows_RD.device) if selective else None)
     split = None if call.plan.split_R is None else call.plan.split_R[call.layer.rank]
     h_mean_LF = None
-    if selective and call.layer.backward.control_variate:  # the variate's means, before the scores need h̄
+    backward = call.layer.backward
+    if selective and backward.control_variate:  # the variate's means, before the scores need h̄
         call.saved.control = control_means(rows_RD, weights.gate_up, rows.slot_counts)
-        h_mean_LF = call.saved.control.h_LF
+        if backward.variate_scores == "residuals":
+            h_mean_LF = call.saved.control.h_LF
     if split is not None or chunk < R:  # by the row, or x alone in chunks (nothing kept but x)
         y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
         meter.hold(y_RD, h_sq_R)
