@@ -45,8 +45,11 @@ def score_norms(h_RF: torch.Tensor, counts_L: torch.Tensor, h_mean_LF: torch.Ten
     (slot-major rows, ``counts_L`` a slot)."""
     if h_mean_LF is None:
         return squared_norms(h_RF)
-    # slot by slot: one slot's residuals at a time, not an (R, F) copy of the means and another
-    # of the residuals (on the host each a pass over memory as long as h's)
+    if h_RF.is_cuda:  # the means spread over every row at once: a few kernels, not a few a slot
+        rows_RF = torch.repeat_interleave(h_mean_LF, counts_L.to(h_RF.device), dim=0, output_size=h_RF.shape[0])
+        return squared_norms(h_RF - rows_RF)
+    # on the host slot by slot: one slot's residuals at a time, not an (R, F) copy of the means
+    # and another of the residuals (each a pass over memory as long as h's)
     out = torch.empty(h_RF.shape[0], dtype=torch.float64, device=h_RF.device)
     lo = 0
     for slot, n in enumerate(counts_L.tolist()):
