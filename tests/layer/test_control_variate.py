@@ -117,6 +117,26 @@ def test_drawn_by_contributions_it_stays_unbiased_with_less_noise():
     assert mse_cv < 0.5 * mse, (mse, mse_cv)
 
 
+def _dx(variate: str | None) -> torch.Tensor:
+    """dx of one trimmed backward (ratio 0.5, one rank) without the variate (None) or with it
+    drawn by ``variate`` scores, from the same weights, batch and sampler seed."""
+    sd, x, g = make_problem(CFG, 256, 7, "hot_expert")
+    backward = BackwardConfig(ratio=0.5, control_variate=variate is not None, variate_scores=variate or "residuals")
+    layer = MoELayer(CFG, system="lrmoe", budget=ClusterBudget(10**9), backward=backward)
+    layer.load_full_state_dict(sd)
+    x = (0.25 * x + 0.75 * x.mean(0)).requires_grad_(True)
+    layer(x).backward(g)
+    return x.grad
+
+
+def test_drawn_by_contributions_the_kept_pairs_are_the_plain_draws():
+    """The variate corrects the weight gradients only, so with the plain draw's kept pairs and
+    weights dx is the plain backward's to the last bit; drawn by the residuals it is not."""
+    plain = _dx(None)
+    assert torch.equal(_dx("contributions"), plain)
+    assert not torch.equal(_dx("residuals"), plain)
+
+
 def test_a_bad_setting_is_refused():
     with pytest.raises(ValueError, match="control_variate"):
         BackwardConfig(control_variate=1)

@@ -15,7 +15,7 @@ contributions (docs/convergence.md "A control variate").
 
 What it costs: the means from a few rows a slot (:data:`SAMPLE_ROWS`, recomputed in the
 forward), the home side's bracket a (destination, slot) — coefficients a (destination slot,
-token) times g, one small GEMM — sent to the slot's holder as one row of D (one small
+token) times g, one GEMM — sent to the slot's holder as one row of D (one small
 all-to-all), and a rank-1 update a slot of each weight gradient. By default the scores become
 the residuals' (w²‖g‖²‖h − h̄‖²), so the sampler draws by what the variate leaves and the noise
 objective prices it; ``BackwardConfig(variate_scores="contributions")`` keeps the pairs' own
@@ -82,8 +82,8 @@ def dropped_mass(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor,
     dest_N = torch.repeat_interleave(torch.arange(len(slots_W), device=device),
                                      torch.tensor(rows.send_splits, device=device), output_size=len(pairs_N))
     slot_N = comm.to_device(placement.slot_index, device)[dest_N, call.ids_TK.reshape(-1)[pairs_N]]
-    # as (destination slots × tokens) coefficients times g: one small GEMM, where a pair-by-pair
-    # sum would first copy a row of g for every pair
+    # as (the group's slots × tokens) coefficients, K a token, times g: one GEMM of slots·T·D
+    # multiply-adds (a token's experts do ~9·K·F·D), where a pair-by-pair sum copied a row of g a pair
     coef_XT = g_TD.new_zeros(sum(slots_W), g_TD.shape[0])
     coef_XT.index_put_((offset_W[dest_N] + slot_N, pairs_N // K), left_P[pairs_N], accumulate=True)
     send_XD = coef_XT @ g_TD
