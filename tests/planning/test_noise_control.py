@@ -175,3 +175,29 @@ def test_a_layer_trims_from_its_second_step_on_one_ratio(pool, selection):
     assert first == (1.0, None), "nothing measured before the first step: every pair kept"
     assert second[0] < 1.0 and second[1] == 0.0
     assert other == [first, second], "every rank set the same ratio"
+
+
+def capacity_noise_case(group):
+    """lrmoe over capacity's forward under the noise objective, two steps: (trim ratio, measured
+    variance ratio) of each (its count exchange carries the drop's non-finite counts too)."""
+    cfg = MoEConfig(**QWEN)
+    world, rank = comm.world_size(group), comm.rank_of(group)
+    sd, x, g = make_problem(cfg, 96, 5, "hot_expert")
+    sizes = split_tokens(96, world, None)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    backward = BackwardConfig(objective="noise", noise_threshold=2.0, seed=3)
+    layer = MoELayer(cfg, system="lrmoe-capacity", group=group, capacity_factor=1.0, backward=backward)
+    layer.load_full_state_dict(sd)
+    figures = []
+    for _ in range(2):
+        layer.zero_grad(set_to_none=True)
+        layer(x[lo:hi].clone().requires_grad_(True)).backward(g[lo:hi])
+        figures.append((layer.last_stats["trim_ratio"], layer.last_stats.get("variance_ratio")))
+        layer.step_end()
+    return figures
+
+
+def test_a_forward_drop_trims_on_the_ratio_its_count_exchange_carried(pool):
+    (first, second), other = pool.run(2, capacity_noise_case)
+    assert first == (1.0, None) and second[0] < 1.0 and second[1] == 0.0
+    assert other == [first, second], "every rank set the same ratio"

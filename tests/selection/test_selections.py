@@ -168,3 +168,38 @@ def test_scaled_squared_norms_match_and_never_overflow():
             torch.testing.assert_close(squared_norms(xd)[:4], want[:4], rtol=1e-6, atol=0)
     x[7, 1] = float("inf")
     assert not torch.isfinite(scaled_squared_norms(x.float())[7])
+
+
+def given_nonfinite_case(group):
+    """An exact global top-q (lrm) over scores with infinities (expert 0's alone above its quota),
+    with the non-finite counts exchanged by the selection and given by the caller."""
+    from lrmoe.parallel.comm import Channel, WireCounter
+    from lrmoe.selection.global_selection import nonfinite_counts, select
+
+    W, E, rank = comm.world_size(group), 8, comm.rank_of(group)
+    gen = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, E, (200,), generator=gen)
+    scores = torch.rand(200, generator=gen, dtype=torch.float64)
+    scores[(ids == 0).nonzero()[:12, 0]] = float("inf")
+    scores[(ids == 3).nonzero()[:1, 0]] = float("nan")
+    channel = Channel(group, WireCounter())
+    counts_SE = channel.all_gather(torch.bincount(ids, minlength=E).view(1, E), [1] * W)
+    quota = fixed_ratio_quota(counts_SE.sum(0), 0.2)
+    nf_SE = channel.all_gather(nonfinite_counts(torch.isfinite(scores), ids, E).view(1, E), [1] * W)
+    sent = [channel.wire.sent]
+    exchanged = select(scores, ids, counts_SE, quota, BackwardConfig("lrm"), channel)
+    sent.append(channel.wire.sent)
+    given = select(scores, ids, counts_SE, quota, BackwardConfig("lrm"), channel, nonfinite_SE=nf_SE)
+    sent.append(channel.wire.sent)
+    return exchanged, given, nf_SE, sent[1] - sent[0] - (sent[2] - sent[1])
+
+
+def test_nonfinite_counts_the_caller_exchanged_select_alike(pool):
+    """A forward drop's selection takes the non-finite counts its count exchange carried
+    (lrmoe.passes.forward.plan): the same kept set, grown quota and report as exchanging them."""
+    for exchanged, given, nf_SE, saved_bytes in pool.run(2, given_nonfinite_case):
+        assert saved_bytes == 8 * 8, "given, the counts (8 int64) are not sent again"
+        assert exchanged.nonfinite is True and given.nonfinite is True
+        assert int(nf_SE[:, 0].sum()) == 24 and int(exchanged.quota_E[0]) == 24
+        assert torch.equal(exchanged.keep_P, given.keep_P) and torch.equal(exchanged.quota_E, given.quota_E)
+        assert torch.equal(exchanged.kept_SE, given.kept_SE)

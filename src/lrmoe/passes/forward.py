@@ -29,7 +29,7 @@ from lrmoe.passes.control import control_means
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import forward_in_rounds
 from lrmoe.planning.cost import ADAM_STATES
-from lrmoe.selection.global_selection import select
+from lrmoe.selection.global_selection import nonfinite_counts, select
 from lrmoe.selection.scores import score_norms
 from lrmoe.systems import PlacementKind
 
@@ -94,19 +94,23 @@ def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
     E = planner.config.num_experts
     ids_P = call.ids_TK.reshape(-1)
     counts_E = torch.bincount(ids_P, minlength=E).cpu()
-    message = counts_E.view(1, E)
+    parts = [counts_E]
+    drop = planner.spec.forward_drop  # kept: each expert's pairs of highest routing probability
+    if drop:  # the keys' non-finite counts, which its selection needs from every rank, travel with the counts
+        keys_P = weights_TK.detach().reshape(-1).to(torch.float64)
+        parts.append(nonfinite_counts(torch.isfinite(keys_P), ids_P, E))
     noise = planner.noise  # its sums of the last backward travel with the counts, as their float64 bits
     if noise is not None:
-        message = torch.cat([message, noise.pending().view(torch.int64).view(1, -1)], 1)
-    gathered = channel.all_gather(message, [1] * planner.world)
+        parts.append(noise.pending().view(torch.int64))
+    gathered = channel.all_gather(torch.cat(parts).view(1, -1), [1] * planner.world)
     counts_SE = gathered[:, :E]
     if noise is not None:
-        noise.update(gathered[:, E:].contiguous().view(torch.float64).sum(0))
+        noise.update(gathered[:, (2 if drop else 1) * E :].contiguous().view(torch.float64).sum(0))
     forward_SE = None
     quota_E = planner.forward_quota(counts_SE)
-    if quota_E is not None:  # kept: each expert's pairs of highest routing probability
-        sel = select(weights_TK.detach().reshape(-1).to(torch.float64), ids_P, counts_SE, quota_E,
-                     BackwardConfig("lrm"), channel)
+    if quota_E is not None:
+        sel = select(keys_P, ids_P, counts_SE, quota_E, BackwardConfig("lrm"), channel,
+                     nonfinite_SE=gathered[:, E : 2 * E])
         call.forward_keep_P, forward_SE = sel.keep_P, sel.kept_SE
     call.plan = planner.plan_forward(counts_SE, forward_SE, call.training)
     call.stats.figures = call.plan.figures

@@ -22,10 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lrmoe.config import BackwardConfig
 from lrmoe.parallel.comm import Channel
+from lrmoe.selection.arrays import as_tensor, on_host, zeros
 from lrmoe.selection.sampling import order_by_group_then_key, position_in_block, sample
 
 
@@ -42,7 +44,7 @@ class Selection:
 
 def select(scores_P: torch.Tensor, ids_P: torch.Tensor, counts_SE: torch.Tensor, quota_E: torch.Tensor,
            cfg: BackwardConfig, channel: Channel, generator: torch.Generator | None = None,
-           shared_generator: torch.Generator | None = None) -> Selection:
+           shared_generator: torch.Generator | None = None, nonfinite_SE: torch.Tensor | None = None) -> Selection:
     """Choose the kept pairs of this rank for the backward with a global selection (``lrm``,
     ``random``, ``sampled``; collective over the channel's group); the local ones draw in strata,
     :func:`lrmoe.selection.strata.select_in_strata`.
@@ -52,7 +54,7 @@ def select(scores_P: torch.Tensor, ids_P: torch.Tensor, counts_SE: torch.Tensor,
     if cfg.local:
         raise ValueError(f"select: selection {cfg.selection!r} is local: use select_in_strata")
     finite_P = torch.isfinite(scores_P)
-    nf_SE = _nonfinite_counts(ids_P, finite_P, counts_SE.shape, channel)
+    nf_SE = _nonfinite_counts(ids_P, finite_P, counts_SE.shape, channel) if nonfinite_SE is None else nonfinite_SE
     nf_E = nf_SE.sum(0)
     nonfinite = bool((nf_E > quota_E).any())
     quota_E = torch.maximum(quota_E, nf_E)
@@ -67,38 +69,47 @@ def select(scores_P: torch.Tensor, ids_P: torch.Tensor, counts_SE: torch.Tensor,
     return _top_quota(key_P, ids_P, counts_SE, quota_E, channel, nonfinite)
 
 
+def nonfinite_counts(finite_P: torch.Tensor, ids_P: torch.Tensor, E: int) -> torch.Tensor:
+    """This rank's non-finite scores per expert (``finite_P``: ``isfinite`` of them), on the
+    host, where an exchange sends them from."""
+    return torch.bincount(ids_P[~finite_P], minlength=E).cpu()
+
+
 def _nonfinite_counts(ids_P: torch.Tensor, finite_P: torch.Tensor, shape: torch.Size, channel: Channel
                       ) -> torch.Tensor:
     """Non-finite scores per (rank, expert), on every rank (collective)."""
     W, E = shape
-    nf_local_E = torch.bincount(ids_P[~finite_P], minlength=E).cpu()
-    return channel.all_gather(nf_local_E.view(1, E), [1] * W)
+    return channel.all_gather(nonfinite_counts(finite_P, ids_P, E).view(1, E), [1] * W)
 
 
 def _top_quota(key_P: torch.Tensor, ids_P: torch.Tensor, counts_SE: torch.Tensor, quota_E: torch.Tensor,
                channel: Channel, nonfinite: bool) -> Selection:
     """Each expert's ``quota_E`` pairs of highest key across ranks: exact, by merging every rank's
-    candidates (its best min(q_e, c_e,r) keys per expert; collective)."""
+    candidates (its best min(q_e, c_e,r) keys per expert; collective). Scores on the host are
+    ranked in NumPy (:mod:`lrmoe.selection.arrays`: its sort is several times torch's), and so
+    are the exchanged keys, which arrive on the host."""
     W, E = counts_SE.shape
     me, device = channel.rank, key_P.device
-    order = order_by_group_then_key(ids_P, key_P)
-    pos = position_in_block(ids_P[order], counts_SE[me].to(device))
+    key, ids = on_host(key_P), on_host(ids_P)
+    order = order_by_group_then_key(ids, key)
+    pos = position_in_block(ids[order], on_host(counts_SE[me].to(device)))
     if W == 1:  # the local top-q_e is the global one
         kept_SE = quota_E.view(1, E).clone()
     else:
         cand_SE = torch.minimum(quota_E.unsqueeze(0), counts_SE)
-        mine = order[pos < cand_SE[me].to(device)[ids_P[order]]]
-        all_keys = channel.all_gather(key_P[mine].cpu(), cand_SE.sum(1).tolist())
-        src = torch.repeat_interleave(torch.arange(W), cand_SE.sum(1))
-        expert = torch.repeat_interleave(torch.arange(E).repeat(W), cand_SE.reshape(-1))
+        mine = order[pos < on_host(cand_SE[me].to(device))[ids[order]]]
+        all_keys = channel.all_gather(as_tensor(key[mine]).cpu(), cand_SE.sum(1).tolist()).numpy()
+        sent_S, cand_E = cand_SE.sum(1).numpy(), cand_SE.reshape(-1).numpy()
+        src = np.repeat(np.arange(W), sent_S)
+        expert = np.repeat(np.tile(np.arange(E), W), cand_E)
         merged = order_by_group_then_key(expert, all_keys)
-        pos_g = position_in_block(expert[merged], cand_SE.sum(0))
-        kept = merged[pos_g < quota_E[expert[merged]]]
-        kept_SE = torch.bincount(src[kept] * E + expert[kept], minlength=W * E).view(W, E)
-    keep_sorted = pos < kept_SE[me].to(device)[ids_P[order]]
-    keep_P = torch.zeros_like(key_P, dtype=torch.bool)
-    keep_P[order[keep_sorted]] = True
-    return Selection(keep_P, kept_SE, quota_E, None, nonfinite)
+        pos_g = position_in_block(expert[merged], cand_SE.sum(0).numpy())
+        kept = merged[pos_g < quota_E.numpy()[expert[merged]]]
+        kept_SE = torch.from_numpy(np.bincount(src[kept] * E + expert[kept], minlength=W * E).reshape(W, E))
+    keep_sorted = pos < on_host(kept_SE[me].to(device))[ids[order]]
+    keep = zeros(len(key), key, "bool")
+    keep[order[keep_sorted]] = True
+    return Selection(as_tensor(keep), kept_SE, quota_E, None, nonfinite)
 
 
 def _weighted(keep_P: torch.Tensor, pi_P: torch.Tensor, finite_P: torch.Tensor) -> torch.Tensor:
