@@ -10,8 +10,9 @@ backward layout may cover only a kept subset and may send pairs to other replica
 forward did.
 
 Send order at a source: by destination rank, then by the destination's slot order, then by
-pair index. Receive order at a destination: by source rank, then slot, then pair index;
-``regroup_idx`` reorders that into slot-major order for the grouped GEMMs.
+pair index (or by a key, :func:`row_layout`). Receive order at a destination: by source rank,
+then slot, then send order; ``regroup_idx`` reorders that into slot-major order for the grouped
+GEMMs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Channel
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
+from lrmoe.selection.arrays import as_tensor, on_host, order_by_group_then_key
 from lrmoe.selection.strata import Strata, kept_positions
 
 
@@ -43,12 +45,20 @@ class RowLayout:
 
 
 def row_layout(ids_P: torch.Tensor, assignment: PairAssignment, placement: Placement, rank: int,
-               keep_P: torch.Tensor | None = None) -> RowLayout:
+               keep_P: torch.Tensor | None = None, order_key_P: torch.Tensor | None = None) -> RowLayout:
     """Lay out the exchange of this rank's pairs (``ids_P`` their expert ids, flattened (T·K)).
 
     ``keep_P`` (bool) restricts the layout to a subset of pairs; ``assignment`` must then count
     exactly the kept pairs. Pairs of expert e from this rank are handed to e's holders in pair
     order: the first ``assign_ESR[e, rank, r0]`` to the first holder r0, and so on.
+
+    ``order_key_P`` (a value per pair, such as its routing weight) reorders the pairs within each
+    (destination, slot) run, who goes where unchanged: ascending from an even rank, descending
+    from an odd one. A slot's block at its holder lays the sources' runs end to end in rank
+    order, so the pairs of highest key from ranks 2i and 2i + 1 meet in the middle of their two
+    runs: where a backward that keeps pairs of high key compacts in place, they already lie
+    together (:mod:`lrmoe.passes.compaction` keeps each slot's kept rows in the window that holds
+    the most of them).
     """
     E = assignment.num_experts
     device = ids_P.device
@@ -59,7 +69,7 @@ def row_layout(ids_P: torch.Tensor, assignment: PairAssignment, placement: Place
     pairs, experts = pairs[by_expert], experts[by_expert]
 
     if placement.expert_ordered:
-        pair_idx = pairs  # sorted by expert = by (destination, slot)
+        pair_idx, run_P = pairs, experts  # sorted by expert = by (destination, slot)
     else:
         mine_dev = comm.to_device(mine_ER, device)
         start_E = mine_dev.sum(1).cumsum(0) - mine_dev.sum(1)
@@ -67,7 +77,12 @@ def row_layout(ids_P: torch.Tensor, assignment: PairAssignment, placement: Place
         bounds_PR = mine_dev.cumsum(1)[experts]
         dest = torch.searchsorted(bounds_PR, within.unsqueeze(1), right=True).squeeze(1)
         slot_WE = comm.to_device(placement.slot_index, device)
-        pair_idx = pairs[torch.argsort(dest * E + slot_WE[dest, experts], stable=True)]
+        run_P = dest * E + slot_WE[dest, experts]
+        by_run = torch.argsort(run_P, stable=True)
+        pair_idx, run_P = pairs[by_run], run_P[by_run]
+    if order_key_P is not None:
+        key = order_key_P[pair_idx]
+        pair_idx = pair_idx[as_tensor(order_by_group_then_key(on_host(run_P), on_host(key if rank % 2 else -key)))]
 
     send_splits = mine_ER.sum(0).tolist()
     counts_SL = assignment.received_SL(rank, placement.slots[rank])  # rows from source s for local slot l

@@ -5,13 +5,17 @@ per local slot, its kept rows in one block for the grouped GEMMs. Two ways:
 
 - **gather** (:func:`gather_kept_rows`): every kept row of x and of each activation copied into
   new slot-major tensors: ρ·R rows moved, a new allocation each;
-- **in place** (:func:`compact_in_place`): slot l's K_l kept rows made the first K_l rows of
-  its own block, by moving only the kept rows that lie beyond them into the dropped rows within
-  them. That moves at most min(K_l, R_l − K_l) rows a slot, about ρ(1 − ρ)·R in all: a tenth
-  of the gather's rows at ρ = 0.9. The blocks keep their places, so each slot's rows start at
-  its forward offset with a gap after them (the grouped GEMMs take per-slot starts,
-  :func:`lrmoe.grouped_gemm.grouped_mm`), and the kept rows within a block are no longer in dy's
-  order: dy is put in theirs (``order_R``) and dx back.
+- **in place** (:func:`compact_in_place`): slot l's K_l kept rows brought into the window of
+  K_l rows of its own block that already holds the most of them, by moving only the kept rows
+  outside it into the dropped rows within it. That moves at most min(K_l, R_l − K_l) rows a
+  slot, about ρ(1 − ρ)·R in all where the kept rows lie at random: a tenth of the gather's rows
+  at ρ = 0.9. They do not: the draw keeps pairs of high routing weight more often, and the
+  forward lays a compacting backward's rows in order of that weight, so that two neighbouring
+  sources' likely-kept rows meet in one stretch of each block
+  (:func:`lrmoe.parallel.rows.row_layout`'s ``order_key_P``), and fewer move. The blocks keep
+  their places, so each slot's rows start where its window does with gaps around them (the
+  grouped GEMMs take per-slot starts, :func:`lrmoe.grouped_gemm.grouped_mm`), and the kept rows
+  within a block are no longer in dy's order: dy is put in theirs (``order_R``) and dx back.
 
 The saved activations make the gather expensive (4F + D values a row against dy's D), so a
 call that kept them and keeps most of its rows compacts in place
@@ -53,20 +57,42 @@ def plan_in_place(kept_rows: np.ndarray, fwd_L: np.ndarray, kept_L: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, InPlace]:
     """Which rows move where to compact in place. ``kept_rows``: each kept row's slot-major index
     among the forward's rows, in dy's order (slot-major); ``fwd_L`` / ``kept_L``: forward and
-    kept rows per slot. Returns (source rows, destination rows, the layout after the moves)."""
+    kept rows per slot. Slot l's kept rows end up in the window of K_l rows of its block that
+    already holds the most of them (the first such window): only the kept rows outside it move,
+    into its dropped rows. Returns (source rows, destination rows, the layout after the moves)."""
     R, K = int(fwd_L.sum()), len(kept_rows)
     starts_L = np.cumsum(fwd_L) - fwd_L
     slot_R = np.repeat(np.arange(len(fwd_L)), fwd_L)
-    head_R = np.arange(R) - starts_L[slot_R] < kept_L[slot_R]  # the first K_l rows of each block
     kept_R = np.zeros(R, dtype=bool)
     kept_R[kept_rows] = True
+    window_L = starts_L + _best_window(kept_R, slot_R, starts_L, fwd_L, kept_L)
+    offset_R = np.arange(R) - window_L[slot_R]
+    in_window_R = (offset_R >= 0) & (offset_R < kept_L[slot_R])
     dy_of_R = np.zeros(R, dtype=np.int64)  # the dy row of each kept row
     dy_of_R[kept_rows] = np.arange(K)
-    # the kept rows past each block's head fill its dropped head rows, both in ascending order:
-    # a slot has as many of one as of the other, and slots follow one another in both
-    src, dst = np.flatnonzero(kept_R & ~head_R), np.flatnonzero(head_R & ~kept_R)
+    # the kept rows outside each window fill its dropped rows, both in ascending order: a slot
+    # has as many of one as of the other, and slots follow one another in both
+    src, dst = np.flatnonzero(kept_R & ~in_window_R), np.flatnonzero(in_window_R & ~kept_R)
     dy_of_R[dst] = dy_of_R[src]
-    return src, dst, InPlace(torch.from_numpy(starts_L), torch.from_numpy(dy_of_R[head_R]))
+    return src, dst, InPlace(torch.from_numpy(window_L), torch.from_numpy(dy_of_R[in_window_R]))
+
+
+def _best_window(kept_R: np.ndarray, slot_R: np.ndarray, starts_L: np.ndarray, fwd_L: np.ndarray,
+                 kept_L: np.ndarray) -> np.ndarray:
+    """Per slot, the first offset a in [0, R_l − K_l] where rows [a, a + K_l) of its block hold the
+    most kept rows (0 for an empty slot)."""
+    R = len(kept_R)
+    before = np.concatenate([[0], np.cumsum(kept_R)])  # kept rows before each row
+    end_R = np.arange(R) + kept_L[slot_R]
+    fits_R = end_R <= (starts_L + fwd_L)[slot_R]  # a window from this row stays in the block
+    held_R = np.where(fits_R, before[np.minimum(end_R, R)] - before[:R], -1)
+    most_L = np.full(len(fwd_L), -1)
+    np.maximum.at(most_L, slot_R, held_R)
+    first = np.flatnonzero(held_R == most_L[slot_R])
+    offset_L = np.zeros(len(fwd_L), dtype=np.int64)
+    slots, at = np.unique(slot_R[first], return_index=True)  # the first best row of each slot
+    offset_L[slots] = first[at] - starts_L[slots]
+    return offset_L
 
 
 def move_rows(tensors: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> None:
@@ -90,12 +116,12 @@ def move_rows(tensors: list[torch.Tensor], src: np.ndarray, dst: np.ndarray) -> 
 
 
 def compact_in_place(tensors: list[torch.Tensor], kept_rows: torch.Tensor, fwd_L: torch.Tensor,
-                     kept_L: torch.Tensor) -> InPlace:
+                     kept_L: torch.Tensor) -> tuple[InPlace, int]:
     """Compact the kept rows of the saved ``tensors`` in place (see the module docstring);
-    returns where each slot's rows now start and the order dy must take. Planned on the host: on
-    a device this reads the kept rows' indices back (one small read per call, beside the kept
-    counts the split sizes need)."""
+    returns where each slot's rows now start and the order dy must take, and the rows moved.
+    Planned on the host: on a device this reads the kept rows' indices back (one small read per
+    call, beside the kept counts the split sizes need)."""
     src, dst, layout = plan_in_place(kept_rows.cpu().numpy(), fwd_L.numpy(), kept_L.numpy())
     move_rows(tensors, src, dst)
-    return layout
+    return layout, len(src)
 

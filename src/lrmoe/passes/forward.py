@@ -70,7 +70,7 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
         clock.lap("fwd_plan_backward")
         save(call, None, None, weights, gate_up)
     else:
-        rows_RD = dispatch(call, x_TD, channel)
+        rows_RD = dispatch(call, x_TD, weights_TK, channel)
         clock.lap("fwd_dispatch")
         y_RD, norms, acts = compute(call, rows_RD, weights)
         clock.lap("fwd_compute")
@@ -157,16 +157,19 @@ def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, c
     return SlotWeights(w_gu, w_down, moved)
 
 
-def lay_out(call: CallRecord) -> None:
-    """The forward's row layout (:func:`~lrmoe.parallel.rows.row_layout`), on the call."""
+def lay_out(call: CallRecord, weights_TK: torch.Tensor | None = None) -> None:
+    """The forward's row layout (:func:`~lrmoe.parallel.rows.row_layout`), on the call. A
+    compacting backward's pairs in the order of their routing weights (``weights_TK``), which
+    the pairs it keeps follow: its compaction in place then moves fewer rows."""
+    key_P = weights_TK.detach().reshape(-1) if weights_TK is not None and call.layer.spec.compacts else None
     call.rows = row_layout(call.ids_TK.reshape(-1), call.plan.assignment, call.plan.placement, call.layer.rank,
-                           keep_P=call.forward_keep_P)
+                           keep_P=call.forward_keep_P, order_key_P=key_P)
 
 
-def dispatch(call: CallRecord, x_TD: torch.Tensor, channel: Channel) -> torch.Tensor:
+def dispatch(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, channel: Channel) -> torch.Tensor:
     """The forward's row layout, and this rank's x rows sent to the copies that compute them
     (collective); returns the rows this rank's expert side received, slot-major."""
-    lay_out(call)
+    lay_out(call, weights_TK)
     return to_experts(x_TD[call.rows.pair_idx // call.ids_TK.shape[1]], call.rows, channel)
 
 

@@ -41,13 +41,13 @@ def _compact_saved(call: CallRecord, kept_rows: torch.Tensor | None, layout: Row
         return None
     call.clock.lap("bwd_dispatch")
     if saved.acts is not None and in_place(call.rows.recv_rows, layout.recv_rows):
-        saved.in_place = compact_in_place([saved.rows_RD, *saved.acts.values()], kept_rows, call.rows.slot_counts,
-                                          layout.slot_counts)
+        saved.in_place, call.stats.compacted_rows = compact_in_place([saved.rows_RD, *saved.acts.values()], kept_rows,
+                                                                     call.rows.slot_counts, layout.slot_counts)
         call.stats.compaction = "in place"
         order_R = saved.in_place.order_R.to(kept_rows.device)
     else:
         saved.rows_RD = gather_kept_rows(saved, kept_rows, call.meter)
-        call.stats.compaction = "gathered"
+        call.stats.compaction, call.stats.compacted_rows = "gathered", len(kept_rows)
         order_R = None
     call.clock.lap("bwd_compact")
     return order_R

@@ -28,7 +28,7 @@ class KeptParts:
 class InPlace:
     """Kept rows compacted in place: slot l's in rows [starts_L[l], starts_L[l] + kept_L[l])."""
 
-    starts_L: torch.Tensor  # int64, host: each slot's first row (its forward offset)
+    starts_L: torch.Tensor  # int64, host: each slot's first row (where its window starts in its forward block)
     order_R: torch.Tensor  # the dy row (slot-major kept order) of each compacted row, slot after slot
 
 

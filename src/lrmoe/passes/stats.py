@@ -42,6 +42,7 @@ class CallStats:
     kept_E: torch.Tensor | None = None  # pairs each expert's backward kept
     bwd_gemm_rows: int | None = None  # rows through this rank's expert backward
     compaction: str | None = None  # a keep-x backward that dropped rows: "in place" or "gathered" (passes.compaction)
+    compacted_rows: int | None = None  # ... the saved rows it moved in place, or gathered
     select_ms: float | None = None  # scoring, selection (and exchange), the kept rows' plan; not dy's packing
     bwd_a2a_bytes: int | None = None
     bwd_a2a_recv_bytes: int | None = None

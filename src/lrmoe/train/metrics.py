@@ -14,6 +14,7 @@
 | ``a2a_bytes`` | all-to-all bytes sent this step, forward + backward, all layers, all ranks |
 | ``bwd_a2a_bytes`` | the backward's share of them |
 | ``kept_ratio`` | backward pairs kept / routed, all layers |
+| ``compacted_rows`` | saved rows the backward's compaction moved or gathered, all layers and ranks (where any) |
 | ``load_min``, ``load_max``, ``load_cv`` | per MoE layer: expert load min, max, coefficient of variation |
 | ``peak_expert_side_bytes`` | max over layers and ranks |
 | ``placement_bytes`` | expert parameter bytes moved this step (replicas, shadows, assembled slices), all ranks |
@@ -72,7 +73,8 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
                        sum(s.get("fwd_a2a_inter_bytes", 0) + s.get("bwd_a2a_inter_bytes", 0) for s in stats),
                        sum(s.get("replica_slots", 0) for s in stats) / max(len(stats), 1),
                        *_split_rows(stats),
-                       *(sum(s.get("stage_ms", {}).get(k, 0.0) for s in stats) for k in STAGES)],
+                       *(sum(s.get("stage_ms", {}).get(k, 0.0) for s in stats) for k in STAGES),
+                       sum(s.get("compacted_rows", 0) for s in stats)],
                       dtype=torch.float64)
     all_reduce(mx, groups.world_group, dist.ReduceOp.MAX)
     all_reduce(sm, groups.world_group)
@@ -92,6 +94,7 @@ def step_metrics(model: MoETransformer, groups: Groups) -> dict:
         "load_cv": (counts.std(1, unbiased=False) / mean).tolist(),
         "replica_slots": float(sm[4]) / groups.world,  # mean over layers, then over ranks
         "moe_stage_ms": {k: round(float(v) / groups.world, 3) for k, v in zip(STAGES, sm[8:])},
+        **({"compacted_rows": int(sm[-1])} if sm[-1] > 0 else {}),
         **({"keep_modes": [s["keep_mode"] for s in stats]} if all("keep_mode" in s for s in stats) and stats else {}),
         **chunks,
         **_noise(stats),

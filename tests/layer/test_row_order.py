@@ -1,0 +1,48 @@
+"""The forward's send order by a key (lrmoe.parallel.rows.row_layout's ``order_key_P``): within
+each (destination, slot) run the pairs follow the key, ascending from an even rank, descending
+from an odd one, and who goes where is the unkeyed layout's; on replicas too (pairs handed to
+holders in pair order, then ordered)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe.parallel.rows import row_layout
+from lrmoe.planning.pair_rules import assign_pairs
+from lrmoe.planning.placement import Placement
+from lrmoe.systems import Assignment
+
+E, W, P = 6, 3, 90
+
+
+def _runs(layout, ids_P: torch.Tensor, placement: Placement, rank: int) -> list[torch.Tensor]:
+    """The pair ids of each (destination, slot) run of a layout, in send order."""
+    runs, at = [], 0
+    for dest, n in enumerate(layout.send_splits):
+        sent = layout.pair_idx[at : at + n]
+        slot = torch.tensor([placement.slots[dest].index(int(e)) for e in ids_P[sent]], dtype=torch.long)
+        runs += [sent[slot == s] for s in range(len(placement.slots[dest]))]
+        assert torch.equal(slot, slot.sort().values), "slots in order within a destination"
+        at += n
+    return runs
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_key_orders_each_run_and_moves_no_pair(replicated):
+    gen = torch.Generator().manual_seed(0)
+    ids_SP = torch.randint(0, E, (W, P), generator=gen)
+    counts_SE = torch.stack([torch.bincount(ids, minlength=E) for ids in ids_SP])
+    placement = Placement.static(E, W)
+    if replicated:  # expert 0 copied to every rank, expert 3 to rank 0
+        placement = placement.with_replicas([[3], [0], [0]])
+    assignment = assign_pairs(Assignment.MIN_PEAK, counts_SE, placement)
+    for rank in range(W):
+        key_P = torch.rand(P, generator=gen)
+        plain = row_layout(ids_SP[rank], assignment, placement, rank)
+        keyed = row_layout(ids_SP[rank], assignment, placement, rank, order_key_P=key_P)
+        assert keyed.send_splits == plain.send_splits and torch.equal(keyed.slot_counts, plain.slot_counts)
+        for a, b in zip(_runs(plain, ids_SP[rank], placement, rank), _runs(keyed, ids_SP[rank], placement, rank)):
+            assert torch.equal(a.sort().values, b.sort().values), "the same pairs in every run"
+            k = key_P[b]
+            assert torch.equal(k, k.sort(descending=rank % 2 == 1).values), (rank, k)
