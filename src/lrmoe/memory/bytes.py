@@ -183,14 +183,16 @@ class RowSplit:
             [RowSplit(self.acts + 1, self.gate_up - 1)] if self.gate_up > 0 else [])
 
 
-IN_PLACE_FROM = 0.6  # a keep-x+acts backward compacts in place from this share of its saved rows kept
+IN_PLACE_FROM = 0.45  # a keep-x+acts backward compacts in place from this share of its saved rows kept
 
 
 def in_place(saved_rows: int, kept_rows: int) -> bool:
     """Whether an expert side that kept x and the activations compacts its kept rows in place
     (:mod:`lrmoe.passes.compaction`) rather than gathering them: a moved row costs about twice a
-    gathered one (out to a staging buffer and back) and dy and dx are reordered, so in place pays
-    from about 0.6 of the rows kept (benchmarks/bench_backward.py). Decided from the plan's row
+    gathered one (out to a staging buffer and back) and dy and dx are reordered. With the rows
+    laid in order of routing weight, about 0.2 of the saved rows move at 0.4 and 0.5 kept
+    (configs/suite/paper.toml at 1 GB), so in place is level with the gather at 0.4 and faster
+    at 0.5 (docs/results.md, "Compaction in place"). Decided from the plan's row
     counts alone, so the memory model knows it before any row moves: in place, nothing is
     gathered and the saved tensors keep their size until the backward frees them."""
     return 0 < kept_rows < saved_rows and kept_rows >= IN_PLACE_FROM * saved_rows

@@ -26,7 +26,7 @@ from lrmoe.parallel import comm
 from lrmoe.parallel.comm import Channel
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
-from lrmoe.selection.arrays import as_tensor, on_host, order_by_group_then_key
+from lrmoe.selection.arrays import as_tensor, float64, int64, on_host, xp
 from lrmoe.selection.strata import Strata, kept_positions
 
 
@@ -80,9 +80,12 @@ def row_layout(ids_P: torch.Tensor, assignment: PairAssignment, placement: Place
         run_P = dest * E + slot_WE[dest, experts]
         by_run = torch.argsort(run_P, stable=True)
         pair_idx, run_P = pairs[by_run], run_P[by_run]
-    if order_key_P is not None:
-        key = order_key_P[pair_idx]
-        pair_idx = pair_idx[as_tensor(order_by_group_then_key(on_host(run_P), on_host(key if rank % 2 else -key)))]
+    if order_key_P is not None and len(pair_idx):
+        # one unstable sort of run · span + key (runs stay apart): near-equal keys may come in
+        # either order, which only the compaction's cost, never a result, depends on
+        key = float64(on_host(order_key_P[pair_idx]))
+        by_run_then_key = int64(on_host(run_P)) * (2 * abs(key).max() + 1) + (-key if rank % 2 else key)
+        pair_idx = pair_idx[as_tensor(xp(key).argsort(by_run_then_key))]
 
     send_splits = mine_ER.sum(0).tolist()
     counts_SL = assignment.received_SL(rank, placement.slots[rank])  # rows from source s for local slot l
