@@ -87,7 +87,8 @@ def unbiased_and_less_noisy(group, scores: str = "residuals") -> tuple[float, ..
 
 def exact_when_every_pair_is_kept(group) -> None:
     draws, ref, _ = _draws(group, True, 1.0, 2)
-    torch.testing.assert_close(draws[-1], ref)
+    # float32 sums over 512 rows in the layer's row order (by routing weight) and the dense one's
+    torch.testing.assert_close(draws[-1], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_every_pair_kept_is_exact_with_it(pool):
