@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from lrmoe import experts
@@ -41,25 +42,39 @@ SAMPLE_ROWS = 16  # rows a slot whose activations give its means (evenly spaced;
 def control_means(rows_RD: torch.Tensor, gate_up: experts.Slots, counts_L: torch.Tensor) -> ControlMeans:
     """The slots' means from up to :data:`SAMPLE_ROWS` evenly spaced rows of each (slot-major
     ``rows_RD``, ``counts_L`` rows a slot), their gate and up recomputed; zeros for a slot with
-    no row. Fixed by the forward's rows, before any draw: the variate stays unbiased."""
-    counts = counts_L.tolist()
-    starts = [0, *accumulate(counts)][:-1]
-    take = [min(n, SAMPLE_ROWS) for n in counts]
-    idx = torch.cat([torch.arange(k, dtype=torch.float64).mul(n / max(k, 1)).long() + a
-                     for a, n, k in zip(starts, counts, take)] or [torch.zeros(0, dtype=torch.long)])
-    x_SD = rows_RD[idx.to(rows_RD.device)]
-    sample_L = torch.tensor(take, dtype=torch.long)
-    gate_SF, up_SF = experts.gate_up_forward(x_SD, gate_up, sample_L)
-    sig = torch.sigmoid(gate_SF)
-    silu_SF = gate_SF * sig
-    dsilu_up_SF = up_SF * sig * (1 + gate_SF * (1 - sig))
-    slot_S = torch.repeat_interleave(torch.arange(len(take), device=x_SD.device), sample_L.to(x_SD.device))
-    denom = sample_L.clamp(min=1).to(x_SD.device, x_SD.dtype).unsqueeze(1)
+    no row. Fixed by the forward's rows, before any draw: the variate stays unbiased. Every
+    slot's sample at once, a slot short of rows padded with zero rows (whose gate and up, and so
+    every activation below, are zero): one batched product per weight set, not two a slot."""
+    counts = counts_L.numpy()
+    take = np.minimum(counts, SAMPLE_ROWS)
+    j = np.arange(SAMPLE_ROWS)
+    real_LS = j < take[:, None]
+    idx_LS = (np.cumsum(counts) - counts)[:, None] + j * counts[:, None] // np.maximum(take, 1)[:, None]
+    device = rows_RD.device
+    x_LSD = rows_RD[comm.to_device(torch.from_numpy(np.where(real_LS, idx_LS, 0).reshape(-1)), device)]
+    x_LSD = x_LSD.view(len(counts), SAMPLE_ROWS, -1) * comm.to_device(torch.from_numpy(real_LS), device).unsqueeze(2)
+    gate_up_LS2F = _per_set(x_LSD, gate_up)
+    gate_LSF, up_LSF = gate_up_LS2F.chunk(2, dim=2)  # (the fused weights' gate rows first)
+    sig = torch.sigmoid(gate_LSF)
+    silu_LSF = gate_LSF * sig
+    dsilu_up_LSF = up_LSF * sig * (1 + gate_LSF * (1 - sig))
+    denom = comm.to_device(torch.from_numpy(np.maximum(take, 1)), device).to(x_LSD.dtype).unsqueeze(1)
 
-    def mean(v: torch.Tensor) -> torch.Tensor:
-        return v.new_zeros(len(take), v.shape[1]).index_add_(0, slot_S, v) / denom
+    def mean(v_LSX: torch.Tensor) -> torch.Tensor:
+        return v_LSX.sum(1) / denom
 
-    return ControlMeans(mean(x_SD), mean(silu_SF * up_SF), mean(silu_SF), mean(dsilu_up_SF))
+    return ControlMeans(mean(x_LSD), mean(silu_LSF * up_LSF), mean(silu_LSF), mean(dsilu_up_LSF))
+
+
+def _per_set(x_LSD: torch.Tensor, w_LXD: experts.Slots) -> torch.Tensor:
+    """x w_lᵀ for each slot l's rows, the slots' weights in one tensor or in several sets, slot
+    after slot."""
+    sets = (w_LXD,) if isinstance(w_LXD, torch.Tensor) else w_LXD
+    out, lo = [], 0
+    for w in sets:
+        out.append(torch.bmm(x_LSD[lo : lo + w.shape[0]], w.transpose(1, 2)))
+        lo += w.shape[0]
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def dropped_mass(call: CallRecord, g_TD: torch.Tensor, weights_TK: torch.Tensor, kept: Kept,
