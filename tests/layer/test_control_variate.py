@@ -42,6 +42,8 @@ def test_the_means_are_each_slots_own():
         torch.testing.assert_close(got[0], rows[:3].mean(0).detach())
         torch.testing.assert_close(got[2], rows[3:].mean(0).detach())
         assert torch.equal(got[1], torch.zeros_like(got[1]))
+    none = control_means(x[:0], gate_up, torch.tensor([0, 0, 0]))  # a rank that received no row
+    assert all(torch.equal(m, torch.zeros_like(m)) for m in (none.x_LD, none.h_LF, none.silu_LF, none.dsilu_up_LF))
     rows = torch.randn(40, 6)
     many = control_means(rows, gate_up, torch.tensor([40, 0, 0]))
     sample = rows[torch.arange(SAMPLE_ROWS) * 40 // SAMPLE_ROWS]  # a slot of more rows: evenly spaced ones

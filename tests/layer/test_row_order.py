@@ -46,3 +46,20 @@ def test_a_key_orders_each_run_and_moves_no_pair(replicated):
             assert torch.equal(a.sort().values, b.sort().values), "the same pairs in every run"
             k = key_P[b]
             assert torch.equal(k, k.sort(descending=rank % 2 == 1).values), (rank, k)
+
+
+def test_broken_keys_keep_their_runs():
+    """A non-finite key (a broken routing weight) still leaves every pair in its run: the same
+    splits and runs as without a key."""
+    gen = torch.Generator().manual_seed(1)
+    ids_SP = torch.randint(0, E, (W, P), generator=gen)
+    counts_SE = torch.stack([torch.bincount(ids, minlength=E) for ids in ids_SP])
+    placement = Placement.static(E, W).with_replicas([[3], [0], [0]])
+    assignment = assign_pairs(Assignment.MIN_PEAK, counts_SE, placement)
+    key_P = torch.rand(P, generator=gen)
+    key_P[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    plain = row_layout(ids_SP[1], assignment, placement, 1)
+    keyed = row_layout(ids_SP[1], assignment, placement, 1, order_key_P=key_P)
+    assert keyed.send_splits == plain.send_splits
+    for a, b in zip(_runs(plain, ids_SP[1], placement, 1), _runs(keyed, ids_SP[1], placement, 1)):
+        assert torch.equal(a.sort().values, b.sort().values)

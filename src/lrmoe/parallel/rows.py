@@ -84,6 +84,7 @@ def row_layout(ids_P: torch.Tensor, assignment: PairAssignment, placement: Place
         # one unstable sort of run · span + key (runs stay apart): near-equal keys may come in
         # either order, which only the compaction's cost, never a result, depends on
         key = float64(on_host(order_key_P[pair_idx]))
+        key = xp(key).nan_to_num(key, nan=0.0, posinf=0.0, neginf=0.0)  # (a broken weight keeps its run)
         by_run_then_key = int64(on_host(run_P)) * (2 * abs(key).max() + 1) + (-key if rank % 2 else key)
         pair_idx = pair_idx[as_tensor(xp(key).argsort(by_run_then_key))]
 

@@ -50,9 +50,10 @@ def control_means(rows_RD: torch.Tensor, gate_up: experts.Slots, counts_L: torch
     j = np.arange(SAMPLE_ROWS)
     real_LS = j < take[:, None]
     idx_LS = (np.cumsum(counts) - counts)[:, None] + j * counts[:, None] // np.maximum(take, 1)[:, None]
-    device = rows_RD.device
-    x_LSD = rows_RD[comm.to_device(torch.from_numpy(np.where(real_LS, idx_LS, 0).reshape(-1)), device)]
-    x_LSD = x_LSD.view(len(counts), SAMPLE_ROWS, -1) * comm.to_device(torch.from_numpy(real_LS), device).unsqueeze(2)
+    (R, D), device = rows_RD.shape, rows_RD.device
+    padded = rows_RD.new_zeros(1, D) if R == 0 else rows_RD  # (a rank that received no row: zeros)
+    x_LSD = padded[comm.to_device(torch.from_numpy(np.where(real_LS, idx_LS, 0).reshape(-1)), device)]
+    x_LSD = x_LSD.view(len(counts), SAMPLE_ROWS, D) * comm.to_device(torch.from_numpy(real_LS), device).unsqueeze(2)
     gate_up_LS2F = _per_set(x_LSD, gate_up)
     gate_LSF, up_LSF = gate_up_LS2F.chunk(2, dim=2)  # (the fused weights' gate rows first)
     sig = torch.sigmoid(gate_LSF)
