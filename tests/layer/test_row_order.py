@@ -16,7 +16,7 @@ from lrmoe.systems import Assignment
 E, W, P = 6, 3, 90
 
 
-def _runs(layout, ids_P: torch.Tensor, placement: Placement, rank: int) -> list[torch.Tensor]:
+def _runs(layout, ids_P: torch.Tensor, placement: Placement) -> list[torch.Tensor]:
     """The pair ids of each (destination, slot) run of a layout, in send order."""
     runs, at = [], 0
     for dest, n in enumerate(layout.send_splits):
@@ -42,7 +42,7 @@ def test_a_key_orders_each_run_and_moves_no_pair(replicated):
         plain = row_layout(ids_SP[rank], assignment, placement, rank)
         keyed = row_layout(ids_SP[rank], assignment, placement, rank, order_key_P=key_P)
         assert keyed.send_splits == plain.send_splits and torch.equal(keyed.slot_counts, plain.slot_counts)
-        for a, b in zip(_runs(plain, ids_SP[rank], placement, rank), _runs(keyed, ids_SP[rank], placement, rank)):
+        for a, b in zip(_runs(plain, ids_SP[rank], placement), _runs(keyed, ids_SP[rank], placement)):
             assert torch.equal(a.sort().values, b.sort().values), "the same pairs in every run"
             k = key_P[b]
             assert torch.equal(k, k.sort(descending=rank % 2 == 1).values), (rank, k)
@@ -61,5 +61,31 @@ def test_broken_keys_keep_their_runs():
     plain = row_layout(ids_SP[1], assignment, placement, 1)
     keyed = row_layout(ids_SP[1], assignment, placement, 1, order_key_P=key_P)
     assert keyed.send_splits == plain.send_splits
-    for a, b in zip(_runs(plain, ids_SP[1], placement, 1), _runs(keyed, ids_SP[1], placement, 1)):
+    for a, b in zip(_runs(plain, ids_SP[1], placement), _runs(keyed, ids_SP[1], placement)):
         assert torch.equal(a.sort().values, b.sort().values)
+
+
+def _keys_given(monkeypatch, keep: str) -> list[bool]:
+    """Whether each of three lrmoe calls (one rank, half the pairs kept, ``keep`` fixed) laid
+    its forward rows out by a key."""
+    from lrmoe import BackwardConfig, MoEConfig, MoELayer
+    from lrmoe.passes import forward
+
+    given, layout = [], forward.row_layout
+
+    def recording(*args, order_key_P=None, **kwargs):
+        given.append(order_key_P is not None)
+        return layout(*args, order_key_P=order_key_P, **kwargs)
+
+    monkeypatch.setattr(forward, "row_layout", recording)
+    layer = MoELayer(MoEConfig(dim=16, ffn_dim=24, num_experts=4, top_k=2), system="lrmoe",
+                     backward=BackwardConfig(ratio=0.5, keep=keep))
+    for _ in range(3):
+        layer(torch.randn(24, 16, requires_grad=True)).sum().backward()
+    return given
+
+
+def test_the_weight_order_follows_the_last_backward_that_kept_the_activations(monkeypatch):
+    """A backward that kept x alone gathers it, in any order: the next forward keeps pair order."""
+    assert _keys_given(monkeypatch, "x+acts") == [True, True, True]
+    assert _keys_given(monkeypatch, "x") == [True, False, False]

@@ -17,7 +17,7 @@ import torch
 
 from lrmoe import experts
 from lrmoe.config import BackwardConfig
-from lrmoe.memory.bytes import RowSplit, kept_to_backward, nbytes
+from lrmoe.memory.bytes import KEEP_X_ACTS, RowSplit, kept_to_backward, nbytes
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel, WireCounter
@@ -99,18 +99,18 @@ def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
     if drop:  # the keys' non-finite counts, which its selection needs from every rank, travel with the counts
         keys_P = weights_TK.detach().reshape(-1).to(torch.float64)
         parts.append(nonfinite_counts(torch.isfinite(keys_P), ids_P, E))
+    noise_at = sum(len(p) for p in parts)
     noise = planner.noise  # its sums of the last backward travel with the counts, as their float64 bits
     if noise is not None:
         parts.append(noise.pending().view(torch.int64))
     gathered = channel.all_gather(torch.cat(parts).view(1, -1), [1] * planner.world)
     counts_SE = gathered[:, :E]
     if noise is not None:
-        noise.update(gathered[:, (2 if drop else 1) * E :].contiguous().view(torch.float64).sum(0))
+        noise.update(gathered[:, noise_at:].contiguous().view(torch.float64).sum(0))
     forward_SE = None
-    quota_E = planner.forward_quota(counts_SE)
-    if quota_E is not None:
-        sel = select(keys_P, ids_P, counts_SE, quota_E, BackwardConfig("lrm"), channel,
-                     nonfinite_SE=gathered[:, E : 2 * E])
+    if drop:
+        sel = select(keys_P, ids_P, counts_SE, planner.forward_quota(counts_SE), BackwardConfig("lrm"), channel,
+                     nonfinite_SE=gathered[:, E:noise_at])
         call.forward_keep_P, forward_SE = sel.keep_P, sel.kept_SE
     call.plan = planner.plan_forward(counts_SE, forward_SE, call.training)
     call.stats.figures = call.plan.figures
@@ -124,6 +124,7 @@ def plan_backward(call: CallRecord) -> None:
         return
     layer = call.layer
     call.plan = call.plan.with_backward(layer.planner.plan_backward(call.plan), layer.spec)
+    layer.planner.kept_activations = call.plan.keep == KEEP_X_ACTS
     noise = layer.planner.noise
     if noise is not None:  # the ratio the quotas took (the plan's figures say whether memory kept fewer)
         stats = call.stats
@@ -160,8 +161,13 @@ def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, c
 def lay_out(call: CallRecord, weights_TK: torch.Tensor | None = None) -> None:
     """The forward's row layout (:func:`~lrmoe.parallel.rows.row_layout`), on the call. A
     compacting backward's pairs in the order of their routing weights (``weights_TK``), which
-    the pairs it keeps follow: its compaction in place then moves fewer rows."""
-    key_P = weights_TK.detach().reshape(-1) if weights_TK is not None and call.layer.spec.compacts else None
+    the pairs it keeps follow, so its compaction in place moves fewer rows; only where the
+    layer's last backward kept the activations (its keep mode is planned after this layout, and
+    one that kept x alone gathers it, in any order: the sort and the home side's gathers out of
+    token order would be for nothing)."""
+    layer = call.layer
+    ordered = weights_TK is not None and layer.spec.compacts and layer.planner.kept_activations
+    key_P = weights_TK.detach().reshape(-1) if ordered else None
     call.rows = row_layout(call.ids_TK.reshape(-1), call.plan.assignment, call.plan.placement, call.layer.rank,
                            keep_P=call.forward_keep_P, order_key_P=key_P)
 
