@@ -21,8 +21,8 @@ SELECTIONS = ("lrm", "random", "local", "sampled", "local-sampled")
 # follow from the counts alone (lrmoe.selection.strata)
 LOCAL_SELECTIONS = ("local", "local-sampled")
 # What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute")
-KEEP_X_ACTS, KEEP_X, KEEP_NOTHING = "x+acts", "x", "nothing"
-KEEP_MODES = (KEEP_X_ACTS, KEEP_X, KEEP_NOTHING)  # richest first
+KEEP_X_ACTS, KEEP_X_GATE_UP, KEEP_X, KEEP_NOTHING = "x+acts", "x+gate_up", "x", "nothing"
+KEEP_MODES = (KEEP_X_ACTS, KEEP_X_GATE_UP, KEEP_X, KEEP_NOTHING)  # richest first
 OBJECTIVES = ("memory", "time", "noise")  # what the controller's quotas minimise beyond fitting (BackwardConfig)
 VARIATE_SCORES = ("residuals", "contributions")  # what a control variate's draw is proportional to (BackwardConfig)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -102,10 +102,11 @@ def expert_backward(
 ) -> tuple[torch.Tensor, Slots, Slots]:
     """Backward of :func:`expert_forward` given dy (already multiplied by the routing weight).
 
-    ``acts`` are the forward's saved activations; without them gate/up, silu and h are
-    recomputed from x (recompute systems, LRMoE). ``acts`` and ``dy_RD`` are consumed: their
-    buffers are overwritten (dx is returned in dy's). ``grads`` (dgate_up, ddown): the weight
-    gradients are added into these (a chunk of a chunked backward) instead of new tensors.
+    ``acts`` are the forward's saved activations (gate and up alone: silu and h recomputed from
+    them); without them gate/up, silu and h are recomputed from x (recompute systems, LRMoE).
+    ``acts`` and ``dy_RD`` are consumed: their buffers are overwritten (dx is returned in dy's).
+    ``grads`` (dgate_up, ddown): the weight gradients are added into these (a chunk of a chunked
+    backward) instead of new tensors.
     ``saved_starts_L``: slot l's rows of x (and of the saved activations) start there, a gap
     after each slot (kept rows compacted in place, :mod:`lrmoe.passes.compaction`); dy's rows,
     and those of recomputed activations, are back to back.
@@ -117,8 +118,9 @@ def expert_backward(
         silu_RF, h_RF = swiglu(gate_RF, up_RF)
         acts_at = None
     else:
-        gate_RF, up_RF, silu_RF, h_RF = (acts.pop(k) for k in ("gate", "up", "silu", "h"))
         acts_at = x_at
+        gate_RF, up_RF = acts.pop("gate"), acts.pop("up")
+        silu_RF, h_RF = (acts.pop("silu"), acts.pop("h")) if "silu" in acts else swiglu(gate_RF, up_RF)
     add = grads is not None
     sets = not isinstance(down_LDF, torch.Tensor)  # several sets: their gradients apart too
     dgate_up_L2FD, ddown_LDF = grads if add else (_each(torch.empty_like, gate_up_L2FD),

@@ -1,8 +1,8 @@
 """What lrmoe's expert side keeps from forward to backward: nothing (x re-sent, recompute), x
-(only dy travels, to where the forward computed the pair; recompute) or x and the activations
-(static's backward on the kept rows). Every mode gives the same gradients as the reference with
-the same kept set and weights; the meter's peak equals the replay's; at ρ = 0.9 keep-x sends
-fewer backward bytes than static. (The choice following the cap:
+(only dy travels, to where the forward computed the pair; recompute), x and gate/up (silu and h
+recomputed) or x and the activations (static's backward on the kept rows). Every mode gives the
+same gradients as the reference with the same kept set and weights; the meter's peak equals the
+replay's; at ρ = 0.9 keep-x sends fewer backward bytes than static. (The choice following the cap:
 tests/planning/test_memory_cap.py.)"""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lrmoe import BackwardConfig, ClusterBudget, MoEConfig, MoELayer
-from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, RankWork, expert_side_peak
+from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, KEEP_X_GATE_UP, RankWork, expert_side_peak
 from lrmoe.memory.bytes import IN_PLACE_FROM
 from lrmoe.parallel import comm
 from tests.helpers.layer import QWEN, Recorder, close, equals_kept_reference, make_problem, split_tokens
@@ -29,8 +29,9 @@ def pool():
 def modes_case(group, selection: str, ratio: float, chunk: int = 0):
     """Each mode (``BackwardConfig.keep``) against the reference with the layer's kept set and
     weights; the meter's peak against the replay (x+acts' kept rows gathered at ratio 0.3,
-    compacted in place at 0.8). ``chunk``: the modes that recompute do so that many rows at a
-    time (``recompute_chunk``). Returns the per-mode (kept set, bwd bytes, bwd GEMM rows)."""
+    compacted in place at 0.8; x+gate_up's gathered at both). ``chunk``: the modes that
+    recompute do so that many rows at a time (``recompute_chunk``). Returns the per-mode (kept
+    set, bwd bytes, bwd GEMM rows)."""
     cfg = MoEConfig(**QWEN)
     world, rank = comm.world_size(group), comm.rank_of(group)
     sd, x, g = make_problem(cfg, 48, 5, "none")
@@ -47,6 +48,8 @@ def modes_case(group, selection: str, ratio: float, chunk: int = 0):
         assert s["keep_mode"] == mode
         if mode == KEEP_X_ACTS:
             assert s["compaction"] == ("in place" if ratio > IN_PLACE_FROM else "gathered"), s["compaction"]
+        if mode == KEEP_X_GATE_UP:  # silu and h recomputed for the kept rows alone
+            assert s["compaction"] == "gathered", s["compaction"]
         keep = comm.all_gather(layer.last_kept, sizes, group) if world > 1 else layer.last_kept
         scale = None
         if layer.last_scale is not None:
@@ -56,7 +59,7 @@ def modes_case(group, selection: str, ratio: float, chunk: int = 0):
         grads = layer.gather_full_grads()
         for name, want in ref_grads.items():
             close(f"{mode} grad {name}", grads[name], want)
-        recomputes = chunk and mode != KEEP_X_ACTS
+        recomputes = chunk and mode not in (KEEP_X_ACTS, KEEP_X_GATE_UP)
         assert s.get("bwd_chunk_rows") == (chunk if recomputes else None)
         pl = layer.placement
         work = RankWork(s["recv_rows"], s["bwd_gemm_rows"], len(pl.slots[rank]), len(pl.owned(rank)), None,
@@ -74,7 +77,7 @@ def test_every_mode_equals_the_reference(pool, world, selection, ratio):
     for r in res:
         kept = r[KEEP_NOTHING][0]
         assert all(torch.equal(r[m][0], kept) for m in KEEP_MODES), "the same kept set in every mode"
-        assert r[KEEP_X][1] == r[KEEP_X_ACTS][1], "x and x+acts move the same bytes"
+        assert r[KEEP_X][1] == r[KEEP_X_ACTS][1] == r[KEEP_X_GATE_UP][1], "the keep-x modes move the same bytes"
     if world > 1:
         assert sum(r[KEEP_X][1] for r in res) < sum(r[KEEP_NOTHING][1] for r in res), "no x re-sent"
 

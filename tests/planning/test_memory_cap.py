@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
-from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, ByteModel, RankWork, expert_side_peak
+from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, KEEP_X_GATE_UP, ByteModel, RankWork, expert_side_peak
+from lrmoe.planning import peaks
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.planner import LayerPlanner
@@ -136,14 +137,15 @@ def test_controller_budget_errors():
 # ------------------------------------------------------------------- the keep mode under the cap
 
 
-def _predicted(planner: LayerPlanner, plan, mode: str) -> list[int]:
-    """Every rank's predicted peak in ``mode``: kept pairs where the forward computed them."""
+def _predicted(planner: LayerPlanner, plan, mode: str, chunk_R: list[int] | None = None) -> list[int]:
+    """Every rank's predicted peak in ``mode``: kept pairs where the forward computed them, the
+    forward in the plan's chunks (or ``chunk_R``)."""
     rows_ER = plan.assignment.rows_ER()
     bwd_R = torch.minimum(rows_ER, plan.quota_E.view(-1, 1)).sum(0).tolist()
     fwd_R = rows_ER.sum(0).tolist()
-    pl, cfg = plan.placement, planner.config
+    pl, cfg, chunk_R = plan.placement, planner.config, chunk_R or plan.chunk_rows_R
     return [expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, RankWork(
-        int(fwd_R[r]), int(bwd_R[r]), len(pl.slots[r]), len(pl.owned(r)), plan.chunk_rows_R[r], planner.world,
+        int(fwd_R[r]), int(bwd_R[r]), len(pl.slots[r]), len(pl.owned(r)), chunk_R[r], planner.world,
         pl.num_copies > cfg.num_experts, keep=mode)) for r in range(planner.world)]
 
 
@@ -172,14 +174,46 @@ def test_the_choice_is_the_richest_that_fits():
         plan = planner.plan_call(counts_SE)
         assert plan.stats["keep_mode"] == plan.keep
         seen.add(plan.keep)
-        richer = KEEP_MODES[:KEEP_MODES.index(plan.keep)]
-        for mode in richer:  # every richer mode is over the cap on some rank (or needs acts of a chunked forward)
-            chunked = any(c < n for c, n in zip(plan.chunk_rows_R, plan.assignment.rows_R()))
-            assert (mode == KEEP_X_ACTS and chunked) or max(_predicted(planner, plan, mode)) > cap, (cap, mode)
-        if plan.keep != KEEP_NOTHING:
-            assert max(_predicted(planner, plan, plan.keep)) <= cap
+        _richer_do_not_fit(planner, plan, cap)
         assert planner.plan_call(counts_SE, training=False).keep is None, "a forward-only call keeps nothing"
     assert seen == set(KEEP_MODES), seen
+
+
+def _richer_do_not_fit(planner: LayerPlanner, plan, cap: int) -> None:
+    """``plan.keep`` fits ``cap`` (keeping gate/up, in the largest forward chunks that do) and
+    every richer mode is over it on some rank (or needs acts of a chunked forward; keeping
+    gate/up, with its forward's least chunk)."""
+    rows_R = plan.assignment.rows_R()
+    # the forward's chunks as the controller fitted them (keeping gate/up, the plan has its own)
+    chunked = any(planner.controller.forward_chunk_rows(plan.placement, r, n) < n for r, n in enumerate(rows_R))
+    for mode in KEEP_MODES[:KEEP_MODES.index(plan.keep)]:
+        least = [min(peaks.GATE_UP_LEAST_CHUNK, n) for n in rows_R] if mode == KEEP_X_GATE_UP else None
+        assert (mode == KEEP_X_ACTS and chunked) or max(_predicted(planner, plan, mode, least)) > cap, (cap, mode)
+    if plan.keep != KEEP_NOTHING:
+        assert max(_predicted(planner, plan, plan.keep)) <= cap
+    if plan.keep == KEEP_X_GATE_UP:  # every row at once where that fits, else the largest chunk that does
+        for r, (c, n) in enumerate(zip(plan.chunk_rows_R, rows_R)):
+            bigger = [min(c + 1, n) if i == r else plan.chunk_rows_R[i] for i in range(len(rows_R))]
+            assert c == n or _predicted(planner, plan, plan.keep, bigger)[r] > cap, (cap, r, c, n)
+            assert c >= min(peaks.GATE_UP_LEAST_CHUNK, n), (cap, r, c)
+
+
+def test_keeping_gate_up_computes_the_forward_in_the_largest_chunks_that_fit(monkeypatch):
+    """Keeping x and gate/up, the forward holds every row's gate/up and computes silu, h and y a
+    chunk at a time: where all at once does not fit, in the largest chunks that do, never below
+    the least chunk (here lowered to 40 of the 96 rows a rank, so that this shape shows it)."""
+    monkeypatch.setattr(peaks, "GATE_UP_LEAST_CHUNK", 40)
+    cfg, world = MoEConfig(**QWEN), 2
+    counts_SE = _hot_counts_SE(cfg, world)
+    spec, bw, chunked = spec_of("lrmoe"), BackwardConfig(ratio=0.3), 0
+    for cap in range(84_000, 98_000, 1_000):
+        planner = LayerPlanner(spec, cfg, world, budget=ClusterBudget(memory_bytes=cap, slots=5), backward=bw)
+        plan = planner.plan_call(counts_SE)
+        _richer_do_not_fit(planner, plan, cap)
+        if plan.keep == KEEP_X_GATE_UP:
+            chunked += any(c < n for c, n in zip(plan.chunk_rows_R, plan.assignment.rows_R()))
+            assert plan.stats["fwd_chunk_rows"] == plan.chunk_rows_R[planner.rank]
+    assert chunked, "some cap keeps gate/up with its forward in chunks"
 
 
 def _peak(cfg: MoEConfig, work: RankWork, bwd_chunk: int) -> int:
@@ -203,7 +237,7 @@ def test_recomputing_in_chunks_keeps_more_pairs_within_the_cap():
         kept, kept_whole = int(chunked.quota_E.sum()), int(whole.quota_E.sum())
         assert kept >= kept_whole, (cap, kept, kept_whole)
         more += kept > kept_whole
-        if chunked.keep == KEEP_X_ACTS:
+        if chunked.keep in (KEEP_X_ACTS, KEEP_X_GATE_UP):  # nothing recomputed but silu and h
             assert chunked.bwd_chunk_rows_R is None
             continue
         pl, rows_ER = chunked.placement, chunked.assignment.rows_ER()

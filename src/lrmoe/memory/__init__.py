@@ -15,6 +15,7 @@ from lrmoe.memory.bytes import (
     KEEP_NOTHING,
     KEEP_X,
     KEEP_X_ACTS,
+    KEEP_X_GATE_UP,
     ByteModel,
     Kept,
     RowSplit,
@@ -26,6 +27,6 @@ from lrmoe.memory.bytes import (
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.memory.replay import RankWork, expert_side_peak
 
-__all__ = ["GIB", "H_SQ_BYTES", "KEEP_MODES", "KEEP_NOTHING", "KEEP_X", "KEEP_X_ACTS", "ByteModel", "Kept",
-           "MemoryMeter", "RankWork", "RowSplit", "expert_param_bytes", "expert_side_peak", "kept_to_backward",
-           "nbytes", "position_bytes"]
+__all__ = ["GIB", "H_SQ_BYTES", "KEEP_MODES", "KEEP_NOTHING", "KEEP_X", "KEEP_X_ACTS", "KEEP_X_GATE_UP",
+           "ByteModel", "Kept", "MemoryMeter", "RankWork", "RowSplit", "expert_param_bytes", "expert_side_peak",
+           "kept_to_backward", "nbytes", "position_bytes"]

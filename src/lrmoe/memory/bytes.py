@@ -23,13 +23,22 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.config import KEEP_MODES, KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, MoEConfig  # noqa: F401 (re-exported)
+from lrmoe.config import (  # noqa: F401 (re-exported)
+    KEEP_MODES,
+    KEEP_NOTHING,
+    KEEP_X,
+    KEEP_X_ACTS,
+    KEEP_X_GATE_UP,
+    MoEConfig,
+)
 from lrmoe.systems import SystemSpec
 
 # What a compacting backward's expert side keeps from forward to backward (docs/design.md "Recompute"):
 # KEEP_NOTHING: home re-sends x of kept pairs (an exact call: of every pair, in rounds); recomputed
 # KEEP_X: the received x rows: only dy travels, to where the forward computed the pair; recomputed
 # KEEP_X_ACTS: x and the activations: static's backward on the kept rows, no recompute
+# KEEP_X_GATE_UP: x and the gate/up products (half the activations): silu and h recomputed for
+# the kept rows, two elementwise ops, where KEEP_X recomputes the gate/up GEMMs too
 H_SQ_BYTES = 8  # ‖h‖² per row, float64, for the LRM scores
 
 
@@ -129,6 +138,13 @@ class Kept:
 
     rows: bool  # the received x rows
     acts: bool  # the four activations gate, up, silu(gate), h (never from a chunked forward)
+    gate_up: bool = False  # gate and up alone (a compacting call's KEEP_X_GATE_UP: its forward
+    # computes silu, h and y a chunk at a time beside every row's gate/up)
+
+    @property
+    def recomputes(self) -> bool:
+        """The backward recomputes the gate/up products (and silu, h) from x."""
+        return not (self.acts or self.gate_up)
 
 
 def spec_keep(spec: SystemSpec) -> str:
@@ -151,9 +167,11 @@ def kept_to_backward(spec: SystemSpec, keep: str | None, chunked: bool) -> Kept:
     rows of kept pairs), and with ``keep`` None what its system keeps (:func:`spec_keep`). A
     capped call of an exact system may keep less than its system does (x instead of x and the
     activations); a compacting call's mode comes from its controller. A chunked forward never
-    had every row's activations at once, so it keeps none."""
+    had every row's activations at once, so it keeps none; one keeping gate/up holds every row's
+    of them, chunked or not."""
     keep = spec_keep(spec) if keep is None else keep
-    return Kept(rows=keep in (KEEP_X, KEEP_X_ACTS), acts=keep == KEEP_X_ACTS and not chunked)
+    return Kept(rows=keep in (KEEP_X, KEEP_X_ACTS, KEEP_X_GATE_UP), acts=keep == KEEP_X_ACTS and not chunked,
+                gate_up=keep == KEEP_X_GATE_UP)
 
 
 GATE_UP = "gate_up"  # a row part keeping x and the gate/up products (RowSplit)

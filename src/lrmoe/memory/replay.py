@@ -70,16 +70,19 @@ def expert_side_peak(system: str | SystemSpec, dim: int, ffn_dim: int, dtype_byt
     - forward (:func:`_forward`): received rows x (``R_f·D·s``; reordered slot-major through a
       second buffer when the rank has several slots and the world several ranks), then y
       (``R_f·D·s``) and either the four (R_f, F) activations (gate, up, silu, h) or, when the
-      forward is chunked, one chunk's; ‖h‖² (8 bytes a row) for the selective systems; then what
+      forward is chunked, one chunk's, or (keeping gate/up) every row's gate and up and one
+      chunk's silu and h; ‖h‖² (8 bytes a row) for the selective systems; then what
       :func:`~lrmoe.memory.bytes.kept_to_backward` does not keep is freed;
     - backward (:func:`_backward`): dy rows (and, when the backward compacts and kept nothing,
       the re-sent x rows of kept pairs); a compacting backward that kept x then gathers the kept
       rows (x, then each saved activation) out of the forward's, dropping each full tensor after
       its gather (nothing to gather when every row is kept) — after dy, because a local
       selection's dy message is what says which rows are kept; then the four recomputed
-      activations unless saved, and the replica-gradient send buffer. A call that kept the
-      activations and keeps most rows compacts them in place instead
-      (:func:`~lrmoe.memory.bytes.in_place`): no gather, the saved tensors keep their size.
+      activations unless saved (silu and h alone beside kept gate/up), and the replica-gradient
+      send buffer. A call that kept the activations and keeps most rows compacts them in place
+      instead (:func:`~lrmoe.memory.bytes.in_place`): no gather, the saved tensors keep their
+      size. One that kept gate/up always gathers, so that silu and h are recomputed for the kept
+      rows alone.
       A chunked backward (one that recomputes) holds one chunk's activations at a time; an exact
       one reads dy in its received order, so dy has no regrouped copy, and gathers a chunk's dy
       rows (a compacting one's dy arrives slot-major, as unchunked). The kept rows' positions
@@ -112,7 +115,12 @@ def _forward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, c
     Rf, row, acts_row = work.fwd_rows, bm.row, bm.fwd_compute
     replay.receive(Rf, row, work.world > 1 and work.copies > 1)
     h_sq = H_SQ_BYTES * Rf if spec.selective else 0
-    if chunked:
+    kept = kept_to_backward(spec, work.keep, chunked)
+    if kept.gate_up:  # every row's gate/up held, silu, h and y a chunk at a time beside them
+        replay.hold(Rf * row + h_sq)
+        replay.hold(Rf * acts_row // 2)
+        replay.reach(min(work.chunk_rows or Rf, Rf) * acts_row // 2)
+    elif chunked:
         replay.now += Rf * row + h_sq
         replay.reach(work.chunk_rows * acts_row)
     else:
@@ -121,8 +129,7 @@ def _forward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, c
     if not work.backward:
         return
     replay.now -= h_sq + Rf * row  # ‖h‖² and y went home
-    kept = kept_to_backward(spec, work.keep, chunked)
-    if not kept.acts and not chunked:
+    if not kept.acts and not kept.gate_up and not chunked:
         replay.now -= Rf * acts_row
     if not kept.rows:
         replay.now -= Rf * row
@@ -144,15 +151,17 @@ def _backward(replay: _Replay, spec: SystemSpec, bm: ByteModel, work: RankWork, 
     if spec.compacts and kept.rows and Rb < Rf and not compact_in_place:
         # the kept rows gathered out of the saved ones (compacted in place: nothing new held)
         acts_rows = Rb
-        for size in [row] + ([acts_row // 4] * 4 if kept.acts else []):
+        for size in [row] + [acts_row // 4] * (4 if kept.acts else 2 if kept.gate_up else 0):
             replay.reach(Rb * size)
             replay.now += (Rb - Rf) * size
     if chunked_bwd:  # one chunk's activations, and (read as received) its dy rows gathered
         replay.reach(work.bwd_chunk_rows * (acts_row + (row if regroup and dy_in_order else 0)))
+    elif kept.gate_up:  # silu and h recomputed beside the kept rows' gate/up
+        replay.reach(acts_rows * acts_row // 2)
     else:
         replay.reach(0 if kept.acts else Rb * acts_row)
-    if kept.acts:
-        replay.now -= acts_rows * acts_row
+    if kept.acts or kept.gate_up:
+        replay.now -= acts_rows * acts_row // (1 if kept.acts else 2)
     if work.replicas_anywhere:
         replay.hold((work.copies - work.owned) * bm.slot_params)  # replica gradients' send buffer (laer: every copy's)
 

@@ -1,5 +1,6 @@
 """The expert backward over the rows an expert side received (the forward's, or a backward
-layout's): the grouped SwiGLU backward with the saved activations, or recomputing them from x
+layout's): the grouped SwiGLU backward with the saved activations (silu and h recomputed where
+gate/up alone were kept), or recomputing them from x
 for every row at once or, where the plan chunks this rank's backward, a chunk at a time, or
 part by part where the call kept by the row (:mod:`lrmoe.passes.by_row`)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lrmoe import experts
+from lrmoe.memory.bytes import nbytes
 from lrmoe.parallel import comm
 from lrmoe.passes.backward_rows import BackwardRows
 from lrmoe.passes.by_row import backward_by_row
@@ -28,7 +30,8 @@ def expert_rows_backward(call: CallRecord, dy_RD: torch.Tensor, rows_RD: torch.T
         order = None if rows.dy_slot_major else comm.to_device(rows.layout.regroup_idx, dy_RD.device)
         return backward_by_row(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, by_row, rows.chunk, order,
                                meter)
-    if acts is not None:
+    if acts is not None:  # (gate and up alone: silu and h recomputed beside them, as large)
+        meter.reach(0 if "silu" in acts else nbytes(*acts.values()))
         meter.drop(*acts.values())
         starts_L = None if saved.in_place is None else saved.in_place.starts_L
         return experts.expert_backward(dy_RD, rows_RD, w_gu, w_down, rows.layout.slot_counts, acts,

@@ -1,11 +1,11 @@
-"""The routed experts' forward, in stages: plan → fetch weights → dispatch → compute → combine →
-plan the backward → save. The forward is complete (a forward drop removes its overflow first);
+"""The routed experts' forward, in stages: plan → fetch weights → dispatch (the backward planned
+meanwhile) → compute → combine → save. The forward is complete (a forward drop removes its overflow first);
 what the backward needs is left in the call's record.
 
-The plan stage waits only for what the forward needs (placement, assignment, chunks); the
-backward's part of the plan (quotas, keep mode, strata, kept assignment:
-:mod:`lrmoe.planning.backward_plan`) is planned once the forward's rows and expert work have been
-issued, so on a GPU the host plans it while the device exchanges and computes them.
+The plan stage waits only for what the forward's exchange needs (placement, assignment, chunks);
+the backward's part of the plan (quotas, keep mode, strata, kept assignment:
+:mod:`lrmoe.planning.backward_plan`) is planned while the forward's rows travel, so on a GPU the
+host plans it while the device exchanges them, and the compute knows what its keep mode keeps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from lrmoe import experts
 from lrmoe.config import BackwardConfig
-from lrmoe.memory.bytes import KEEP_X_ACTS, RowSplit, kept_to_backward, nbytes
+from lrmoe.memory.bytes import KEEP_X_ACTS, KEEP_X_GATE_UP, RowSplit, kept_to_backward, nbytes
 from lrmoe.memory.meter import MemoryMeter
 from lrmoe.parallel import sharding
 from lrmoe.parallel.comm import Channel, WireCounter
@@ -70,13 +70,14 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
         clock.lap("fwd_plan_backward")
         save(call, None, None, weights, gate_up)
     else:
+        # the backward's plan while the rows travel to the experts (on CUDA, while the device
+        # exchanges them); before compute, which computes what its keep mode keeps
+        call.meanwhile(channel, "fwd_plan_backward", lambda: plan_backward(call))
         rows_RD = dispatch(call, x_TD, weights_TK, channel)
+        channel.flush()  # (where no row crossed, no exchange did the plan: now)
         clock.lap("fwd_dispatch")
         y_RD, norms, acts = compute(call, rows_RD, weights)
         clock.lap("fwd_compute")
-        # the backward's plan, while the outputs travel home (on CUDA, while the device still
-        # computes what was just issued); before save, which keeps what its keep mode says
-        call.meanwhile(channel, "fwd_plan_backward", lambda: plan_backward(call))
         out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, norms, channel)
         channel.flush()
         clock.lap("fwd_combine")
@@ -119,7 +120,8 @@ def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
 def plan_backward(call: CallRecord) -> None:
     """A training call's backward plan (pure, from the forward's: the planner's state is as the
     plan stage left it), merged into the record's plan, and the backward's selection and row
-    path chosen from it. Before ``save``, which keeps what the plan's keep mode says."""
+    path chosen from it. Before ``compute`` and ``save``, which compute and keep what the plan's
+    keep mode says."""
     if not call.training:
         return
     layer = call.layer
@@ -184,9 +186,10 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
     """The grouped SwiGLU experts over every received row, all at once or, where the plan chunks
     this rank's forward, ``chunk`` rows at a time (activations dropped after each chunk: a
     budgeted expert side never holds more than a chunk), or by the row where the plan splits
-    this rank's rows (:mod:`lrmoe.passes.by_row`: its parts kept on the record). Returns (y, for a selective backward
-    the return message holding y and ‖h‖² per row side by side, the activations or None when
-    chunked)."""
+    this rank's rows (:mod:`lrmoe.passes.by_row`: its parts kept on the record), or, keeping
+    gate/up, every row's gate/up products first and silu, h and y a chunk at a time. Returns (y,
+    for a selective backward the return message holding y and ‖h‖² per row side by side, the
+    activations — gate and up alone where those are kept — or None when chunked)."""
     rows, meter = call.rows, call.meter
     chunk = rows.recv_rows if call.plan.chunk_rows_R is None else call.plan.chunk_rows_R[call.layer.rank]
     R, D = rows_RD.shape
@@ -201,14 +204,15 @@ def compute(call: CallRecord, rows_RD: torch.Tensor, weights: SlotWeights
         call.saved.control = control_means(rows_RD, weights.gate_up, rows.slot_counts)
         if backward.variate_scores == "residuals":
             h_mean_LF = call.saved.control.h_LF
-    if split is not None or chunk < R:  # by the row, or x alone in chunks (nothing kept but x)
+    gate_up = call.plan.keep == KEEP_X_GATE_UP
+    if split is not None or chunk < R or gate_up:  # by the row, x alone in chunks, or gate/up kept
         y_RD = rows_RD.new_empty(R, D) if norms is None else norms.rows
         meter.hold(y_RD, h_sq_R)
-        kept = forward_by_row(rows_RD, weights.gate_up, weights.down, rows.slot_counts, split or RowSplit(0), chunk,
-                              y_RD, h_sq_R, meter, h_mean_LF)
+        kept = forward_by_row(rows_RD, weights.gate_up, weights.down, rows.slot_counts,
+                              split or RowSplit(0, R if gate_up else 0), chunk, y_RD, h_sq_R, meter, h_mean_LF)
         if split is not None:  # (its backward goes part by part)
             call.saved.by_row = kept
-        acts = None
+        acts = dict(zip(("gate", "up"), kept.gate_up)) if gate_up else None
     else:  # (y allocated by the GEMM where it has no message: on CUDA the fused kernel's own output)
         y_RD, acts = experts.expert_forward(rows_RD, weights.gate_up, weights.down, rows.slot_counts,
                                             y_out=None if norms is None else norms.rows)
@@ -261,7 +265,7 @@ def save(call: CallRecord, rows_RD: torch.Tensor, acts: dict[str, torch.Tensor] 
     if weights.gate_up is not gate_up:
         call.saved.slot_weights = (weights.gate_up, weights.down)
     kept = kept_to_backward(call.layer.spec, call.plan.keep, chunked=acts is None)
-    if kept.acts:
+    if kept.acts or kept.gate_up:  # (gate/up: all ``acts`` holds)
         call.saved.rows_RD, call.saved.acts = rows_RD, acts
         return
     if acts is not None:

@@ -40,7 +40,8 @@ def _compact_saved(call: CallRecord, kept_rows: torch.Tensor | None, layout: Row
     if kept_rows is None:
         return None
     call.clock.lap("bwd_dispatch")
-    if saved.acts is not None and in_place(call.rows.recv_rows, layout.recv_rows):
+    # (kept gate/up alone are gathered, so that silu and h are recomputed for the kept rows alone)
+    if saved.acts is not None and "silu" in saved.acts and in_place(call.rows.recv_rows, layout.recv_rows):
         saved.in_place, call.stats.compacted_rows = compact_in_place([saved.rows_RD, *saved.acts.values()], kept_rows,
                                                                      call.rows.slot_counts, layout.slot_counts)
         call.stats.compaction = "in place"

@@ -1,13 +1,14 @@
 """The backward's part of a training call's plan, computed off the forward's critical path.
 
-The forward needs only the placement, its assignment and its chunks; the quotas, the kept
-capacities, a compacting backward's keep mode, a local selection's strata and, where the kept
-pairs are re-spread, their assignment are needed first by the forward's ``save`` (the keep
-mode) and then by the backward. So the layer plans them after the forward's rows and expert
-work have been issued (:func:`lrmoe.passes.forward.plan_backward`): on a GPU the host computes
-them while the device exchanges and computes the forward's rows; on the CPU they simply run
-later. Every input is in the forward's plan, so the result is the one a single planning pass
-gave, bit for bit (tests/planning/test_backward_plan.py); nothing here changes planner state.
+The forward's exchange needs only the placement, its assignment and its chunks; the quotas,
+the kept capacities, a compacting backward's keep mode, a local selection's strata and, where the
+kept pairs are re-spread, their assignment are needed first by the forward's compute (the keep
+mode: keeping gate/up, the forward computes every row's gate/up first, then silu, h and y in
+chunks) and then by the backward. So the layer plans them while the forward's rows travel
+(:func:`lrmoe.passes.forward.plan_backward`): on a GPU the host computes them while the device
+exchanges the rows; on the CPU while the slowest rank catches up. Every input is in the
+forward's plan, so the result is the one a single planning pass gave, bit for bit
+(tests/planning/test_backward_plan.py); nothing here changes planner state.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import Protocol
 import torch
 
 from lrmoe.config import BackwardConfig
-from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X_ACTS
+from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X_ACTS, KEEP_X_GATE_UP
 from lrmoe.planning import controller as controller_module
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.call_plan import BackwardPlan, CallPlan
 from lrmoe.planning.noise_control import NoiseController
 from lrmoe.planning.pair_rules import assign_pairs
-from lrmoe.planning.peaks import RankPeaks, kept_rows_bound, recompute_chunks
+from lrmoe.planning.peaks import RankPeaks, gate_up_chunks, kept_rows_bound, recompute_chunks
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.planning.time_objective import fastest_quotas
@@ -51,10 +52,11 @@ class BackwardPlanner(Protocol):
 def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
     """The backward's plan of a training call from its forward ``plan`` (pure): the controller's
     kept capacities and quotas (trimmed further where the time objective predicts it pays), the
-    keep mode, and for a local selection this rank's strata and, where a compacting backward
-    keeps nothing, the min-peak assignment of its kept pairs — the strata fix the kept counts per
-    source from the plan alone, so that assignment is known now (a global selection's depends on
-    its scores: its backward assigns them)."""
+    keep mode (keeping gate/up, the forward's chunks that leaves room for), and for a local
+    selection this rank's strata and, where a compacting backward keeps nothing, the min-peak
+    assignment of its kept pairs — the strata fix the kept counts per source from the plan alone,
+    so that assignment is known now (a global selection's depends on its scores: its backward
+    assigns them)."""
     spec = planner.spec
     if not spec.selective:  # an exact backward: what the forward's fit keeps, nothing else
         return BackwardPlan(keep=plan.keep)
@@ -82,8 +84,11 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
         strata = plan_strata(plan.assignment, placement, counts_SE, quota_E, planner.rank)
         if spec.compacts and keep == KEEP_NOTHING:
             kept_assignment = assign_pairs(plan.rule, strata.kept_SE, placement, kept_capacity_R, plan.node_of)
-    bwd_chunk_rows_R = None
-    if least and keep != KEEP_X_ACTS:  # kept rows recomputed, in chunks where they do not fit at once
+    bwd_chunk_rows_R = chunk_rows_R = None
+    if keep == KEEP_X_GATE_UP:  # its forward's silu, h and y in chunks where they do not fit at once
+        chunk_rows_R = gate_up_chunks(planner.peaks, placement, plan.assignment,
+                                      kept_rows_bound(plan.assignment, quota_E))
+    elif least and keep != KEEP_X_ACTS:  # kept rows recomputed, in chunks where they do not fit at once
         bwd_R = kept_rows_bound(plan.assignment, quota_E)
         if keep == KEEP_NOTHING:  # re-spread within the kept capacities
             bwd_R = kept_assignment.rows_R() if kept_assignment is not None else kept_capacity_R or bwd_R
@@ -91,7 +96,8 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
                                             bwd_R, least)
     return BackwardPlan(kept_capacity_R, quota_E, keep, strata, kept_assignment,
                         None if planner.noise is None else trimmed, bwd_chunk_rows_R,
-                        None if bwd_chunk_rows_R is None else bwd_chunk_rows_R[planner.rank])
+                        None if bwd_chunk_rows_R is None else bwd_chunk_rows_R[planner.rank], chunk_rows_R,
+                        None if chunk_rows_R is None else chunk_rows_R[planner.rank])
 
 
 def quotas(planner: BackwardPlanner, cfg: BackwardConfig, counts_E: torch.Tensor, placement: Placement,

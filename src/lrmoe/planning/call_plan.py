@@ -38,6 +38,8 @@ class BackwardPlan:
     memory_trimmed: bool | None = None  # the noise objective: memory or the network kept fewer pairs than its ratio
     bwd_chunk_rows_R: list[int] | None = None  # a compacting backward's rows recomputed at once (recompute_chunk)
     bwd_chunk_rows: int | None = None  # this rank's of them (its figures')
+    chunk_rows_R: list[int] | None = None  # keeping gate/up: rows each rank's forward computes silu, h, y of at once
+    chunk_rows: int | None = None  # this rank's of them (its figures')
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,13 @@ class CallPlan:
         """This forward plan with its backward's part: what a single planning pass gave."""
         figures = replace(self.figures, keep_mode=backward.keep or spec_keep(spec),
                           memory_trimmed=backward.memory_trimmed,
+                          fwd_chunk_rows=backward.chunk_rows or self.figures.fwd_chunk_rows,
                           bwd_chunk_rows=backward.bwd_chunk_rows or self.figures.bwd_chunk_rows)
         return replace(self, kept_capacity_R=backward.kept_capacity_R, quota_E=backward.quota_E, keep=backward.keep,
                        figures=figures, strata=backward.strata, kept_assignment=backward.kept_assignment,
-                       bwd_chunk_rows_R=backward.bwd_chunk_rows_R or self.bwd_chunk_rows_R, backward_planned=True)
+                       bwd_chunk_rows_R=backward.bwd_chunk_rows_R or self.bwd_chunk_rows_R,
+                       chunk_rows_R=backward.chunk_rows_R or self.chunk_rows_R,
+                       backward_planned=True)
 
     def assign_kept(self, kept_SE: torch.Tensor) -> PairAssignment:
         """Where a compacting backward that kept nothing computes its kept pairs: the forward's

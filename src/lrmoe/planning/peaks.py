@@ -15,6 +15,7 @@ from lrmoe.memory.bytes import (
     KEEP_MODES,
     KEEP_NOTHING,
     KEEP_X_ACTS,
+    KEEP_X_GATE_UP,
     ByteModel,
     RowSplit,
     in_rounds,
@@ -176,6 +177,13 @@ class RankPeaks:
         return Fit(placement, assignment, list(chunk_R), list(peak_R), ok, bwd, self.keep, split)
 
 
+# Keeping gate/up, a forward computes silu, h and y at least this many rows at a time (all of them
+# where it has fewer): in smaller chunks its down products turn into many small GEMMs, and keeping
+# x alone (its forward chunked as the controller allows, the gate/up GEMMs recomputed) is the
+# better way to fit.
+GATE_UP_LEAST_CHUNK = 256
+
+
 def kept_rows_bound(assignment: PairAssignment, quota_E: torch.Tensor) -> list[int]:
     """Most backward rows each rank computes where kept pairs stay where the forward computed
     them: Σ_e min(its forward rows of e, q_e)."""
@@ -193,7 +201,9 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     Σ_e min(its forward rows of e, q_e); x and activations need an unchunked forward. ``local``:
     the selection is local (a kept row's position rides with dy; a global one sends a kept byte
     per forward row). ``bwd_chunk``: a mode that recomputes may do so this many rows at a time
-    (``BackwardConfig.recompute_chunk``; 0: every kept row at once)."""
+    (``BackwardConfig.recompute_chunk``; 0: every kept row at once). Keeping gate/up fits where
+    it does with its forward's silu, h and y :data:`GATE_UP_LEAST_CHUNK` rows at a time
+    (:func:`gate_up_chunks` then finds the largest chunk that fits)."""
     if peaks is None:
         return KEEP_X_ACTS
     world, bm = peaks.world, peaks.bytes
@@ -210,12 +220,26 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     for mode in KEEP_MODES[:-1]:
         if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):
             continue
-        chunk = bwd_chunk if bwd_chunk and mode != KEEP_X_ACTS else None
-        if all(peaks.peak(replace(peaks.work(placement, r, int(fwd_R[r]), True, chunk_R[r]),
+        chunk = bwd_chunk if bwd_chunk and mode not in (KEEP_X_ACTS, KEEP_X_GATE_UP) else None
+        fwd_chunk_R = [min(GATE_UP_LEAST_CHUNK, int(n)) for n in fwd_R] if mode == KEEP_X_GATE_UP else chunk_R
+        if all(peaks.peak(replace(peaks.work(placement, r, int(fwd_R[r]), True, fwd_chunk_R[r]),
                                   bwd_rows=int(bwd_R[r]), keep=mode, bwd_chunk_rows=chunk)) <= peaks.memory_R[r]
                for r in range(world)):
             return mode
     return KEEP_NOTHING
+
+
+def gate_up_chunks(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
+                   bwd_R: list[int]) -> list[int] | None:
+    """Rows each rank's forward computes silu, h and y of at once beside every row's gate/up
+    (a compacting call keeping x and gate/up, at most ``bwd_R`` kept rows): all of them where
+    that fits, else the largest chunk that does; None (all at once) without a cap."""
+    if peaks is None:
+        return None
+    fwd_R = assignment.rows_R()
+    works = [replace(peaks.work(placement, r, int(fwd_R[r]), True), bwd_rows=int(bwd_R[r]), keep=KEEP_X_GATE_UP)
+             for r in range(peaks.world)]
+    return _largest_chunks(peaks, works, [int(n) for n in fwd_R], "chunk_rows")
 
 
 def recompute_chunks(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
@@ -228,14 +252,20 @@ def recompute_chunks(peaks: RankPeaks | None, placement: Placement, assignment: 
         return [least] * len(placement.slots)
     fwd_R = assignment.rows_R()
     chunk_R = chunk_rows_R or [None] * peaks.world
+    works = [replace(peaks.work(placement, r, int(fwd_R[r]), True, chunk_R[r]), bwd_rows=int(bwd_R[r]), keep=keep)
+             for r in range(peaks.world)]
+    return _largest_chunks(peaks, works, [int(n) for n in bwd_R], "bwd_chunk_rows")
+
+
+def _largest_chunks(peaks: RankPeaks, works: list[RankWork], rows_R: list[int], field: str) -> list[int]:
+    """Per rank, its ``rows_R`` rows where its work (``field`` unset: all at once) fits its cap,
+    else the largest ``field`` chunk whose peak does."""
     out = []
-    for r in range(peaks.world):
-        work = replace(peaks.work(placement, r, int(fwd_R[r]), True, chunk_R[r]), bwd_rows=int(bwd_R[r]), keep=keep)
-
+    for r, (work, rows) in enumerate(zip(works, rows_R)):
         def peak_of(c: int, work: RankWork = work) -> int:
-            return peaks.peak(replace(work, bwd_chunk_rows=c))
+            return peaks.peak(replace(work, **{field: c}))
 
-        rows = max(int(bwd_R[r]), 1)
+        rows = max(rows, 1)
         fits_whole = peaks.peak(work) <= peaks.memory_R[r]
         out.append(rows if fits_whole or rows == 1 else largest_fitting(peak_of, rows, peaks.memory_R[r])[0])
     return out

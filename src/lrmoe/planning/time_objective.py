@@ -30,11 +30,11 @@ from collections.abc import Callable
 
 import torch
 
-from lrmoe.config import KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, BackwardConfig
+from lrmoe.config import KEEP_NOTHING, KEEP_X, KEEP_X_ACTS, KEEP_X_GATE_UP, BackwardConfig
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
 
 FORWARD_PASSES = 3.0
-BACKWARD_PASSES = {KEEP_X_ACTS: 6.0, KEEP_X: 8.0, KEEP_NOTHING: 9.0}
+BACKWARD_PASSES = {KEEP_X_ACTS: 6.0, KEEP_X_GATE_UP: 6.0, KEEP_X: 8.0, KEEP_NOTHING: 9.0}
 FIXED_PASSES = 0.5  # per forward row: the backward's work no kept ratio shrinks (~8 % of static's 6 passes)
 RATIO_STEP = 0.05
 

@@ -162,7 +162,7 @@ class SystemPlanner:
             refresh_SR=_refreshes(plan.placement), kept_pairs=kept, total_pairs=int(counts_SE.sum()), host_s=0.0,
             peak_R=np.zeros(W, np.int64), kept_bytes_R=np.zeros(W, np.int64),
             tokens_per_rank=int(counts_SE.sum()) // cfg.top_k // W, keep=keep,
-            recomputes=not kept_to_backward(spec, keep, chunked=False).acts, resends_x=keep == KEEP_NOTHING,
+            recomputes=kept_to_backward(spec, keep, chunked=False).recomputes, resends_x=keep == KEEP_NOTHING,
             split_R=plan.split_R,
             count_gather=spec.selective and not local, positions=local and keep not in (None, KEEP_NOTHING),
         )
