@@ -198,3 +198,45 @@ def test_in_place_with_replicas_equals_the_reference(pool):
     res = pool.run(2, replicas_in_place_case)
     assert all(compaction == "in place" for compaction, _ in res), res
     assert sum(replicas for _, replicas in res) > 0, "a rank holds a replica"
+
+
+def gate_up_chunked_case(group, chunk: int):
+    """Keeping x and gate/up with the forward's silu, h and y ``chunk`` rows at a time (the
+    plan's chunks forced, as a cap would set them): the reference's gradients with the layer's
+    kept set, y unchanged, the meter's peak the replay's with those chunks."""
+    import lrmoe.planning.backward_plan as backward_plan
+
+    mp = pytest.MonkeyPatch()
+    try:
+        cfg = MoEConfig(**QWEN)
+        world, rank = comm.world_size(group), comm.rank_of(group)
+        sd, x, g = make_problem(cfg, 48, 5, "none")
+        sizes = split_tokens(48, world, None)
+        lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+        outs = {}
+        for chunks in (None, [chunk] * world):
+            mp.setattr(backward_plan, "gate_up_chunks", lambda *args, chunks=chunks: chunks)
+            layer = MoELayer(cfg, system="lrmoe", group=group,
+                             backward=BackwardConfig("local-sampled", ratio=0.6, seed=3, keep=KEEP_X_GATE_UP))
+            layer.load_full_state_dict(sd)
+            x_local = x[lo:hi].clone().requires_grad_(True)
+            out = layer(x_local)
+            out.backward(g[lo:hi])
+            equals_kept_reference(layer, x_local.grad, x, g, sd, cfg, sizes, group, f"chunks {chunks}")
+            s, pl = layer.last_stats, layer.placement
+            work = RankWork(s["recv_rows"], s["bwd_gemm_rows"], len(pl.slots[rank]), len(pl.owned(rank)),
+                            None if chunks is None else chunk, world, pl.num_copies > cfg.num_experts,
+                            keep=KEEP_X_GATE_UP)
+            assert expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, work) == s["peak_expert_side_bytes"]
+            outs[chunks is None] = (out.detach(), s["peak_expert_side_bytes"], s["recv_rows"])
+        close("y in chunks", outs[False][0], outs[True][0])
+        return outs[False][1] < outs[True][1], outs[True][2]
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_keeping_gate_up_computes_the_forward_in_chunks(pool, world):
+    res = pool.run(world, gate_up_chunked_case, 7)
+    assert all(rows > 7 for _, rows in res), "every rank's forward went in several chunks"
+    assert all(lower for lower, _ in res), "a smaller peak in chunks"
