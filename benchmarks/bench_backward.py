@@ -5,8 +5,8 @@
 
 Rows: static, static-recompute; the default backward (``local-sampled``) at kept ratios
 ρ = 1, 0.9, 0.75, 0.5, 0.25 in each keep mode (``x+acts``: the expert side kept x and the
-activations; ``x``: x alone, gate/up/h recomputed; ``nothing``: home re-sends x of the kept
-pairs, re-spread min-peak); and the paper's top-q (``lrm@0.25``) and the masked ablation at
+activations; ``x+gate_up``: x and gate/up, silu and h recomputed; ``x``: x alone, gate/up/h
+recomputed; ``nothing``: home re-sends x of the kept pairs, re-spread min-peak); and the paper's top-q (``lrm@0.25``) and the masked ablation at
 0.25. Figures (medians over interleaved rounds, one thread per process): fwd_ms, bwd_ms (wall
 time around forward and backward, selection included), select_ms (scoring, selection, the kept
 rows' plan), bwd_gemm_rows, and ``floor``: the backward's GEMM work as a share of static's —
@@ -25,10 +25,11 @@ import torch
 from common import print_table, run_ranks, time_rows, write_json
 
 from lrmoe import BackwardConfig, MoEConfig, MoELayer
+from lrmoe.memory import KEEP_MODES
 from lrmoe.parallel import comm
 
 RATIOS = (1.0, 0.9, 0.75, 0.5, 0.25)
-KEEPS = ("x+acts", "x", "nothing")
+KEEPS = KEEP_MODES
 ROWS = {
     "static": ("static", None),
     "static-recompute": ("static-recompute", None),
@@ -36,7 +37,7 @@ ROWS = {
     "lrm@0.25 x+acts": ("lrmoe", BackwardConfig("lrm", ratio=0.25, keep="x+acts")),
     "masked@0.25": ("masked", BackwardConfig(ratio=0.25)),
 }
-GEMM_PASSES = {"static": 6, "static-recompute": 8, "x+acts": 6, "x": 8, "nothing": 8, "masked@0.25": 8}
+GEMM_PASSES = {"static": 6, "static-recompute": 8, "x+acts": 6, "x+gate_up": 6, "x": 8, "nothing": 8, "masked@0.25": 8}
 STAT_FIGURES = ("select_ms", "bwd_gemm_rows", "bwd_a2a_bytes")
 
 
