@@ -3,15 +3,15 @@
     python benchmarks/bench_backward.py [--world 4] [--tokens 2048 --dim 256 --ffn 512
                                          --experts 16 --top-k 4] [--repeats 7] [--out FILE]
 
-Rows: static, static-recompute; the default backward (``local-sampled``) at kept ratios
-ρ = 1, 0.9, 0.75, 0.5, 0.25 in each keep mode (``x+acts``: the expert side kept x and the
-activations; ``x+gate_up``: x and gate/up, silu and h recomputed; ``x``: x alone, gate/up/h
-recomputed; ``nothing``: home re-sends x of the kept pairs, re-spread min-peak); and the paper's top-q (``lrm@0.25``) and the masked ablation at
-0.25. Figures (medians over interleaved rounds, one thread per process): fwd_ms, bwd_ms (wall
-time around forward and backward, selection included), select_ms (scoring, selection, the kept
-rows' plan), bwd_gemm_rows, and ``floor``: the backward's GEMM work as a share of static's —
-kept rows × GEMM passes (6 with saved activations; 8 recomputing gate and up) over static's
-rows × 6 — the bwd / static a backward that costs only its GEMMs would reach. With
+Rows: static, static-recompute; the default backward (``local-sampled``) at kept ratios ρ = 1, 0.9,
+0.75, 0.5, 0.25 in each keep mode (``x+acts``: the expert side kept x and the activations;
+``x+gate_up``: x and gate/up, silu and h recomputed; ``x``: x alone, gate/up/h recomputed;
+``nothing``: home re-sends x of the kept pairs, re-spread min-peak); and the paper's top-q
+(``lrm@0.25``) and the masked ablation at 0.25. Figures (medians over interleaved rounds, one thread
+per process): fwd_ms, bwd_ms (wall time around forward and backward, selection included), select_ms
+(scoring, selection, the kept rows' plan), bwd_gemm_rows, and ``floor``: the backward's GEMM work as
+a share of static's — kept rows × GEMM passes (6 with saved activations; 8 recomputing gate and up)
+over static's rows × 6 — the bwd / static a backward that costs only its GEMMs would reach. With
 ``--world N`` it runs N gloo ranks of ``--tokens`` tokens each and adds bwd_a2a_bytes (max over
 ranks); times are then the max over ranks. JSON with ``--out``: {row: {figure: value}}.
 """
