@@ -1,6 +1,6 @@
-"""The backward's plan is planned during the forward, while its rows travel and before its expert
-work, which computes what the plan's keep mode keeps (lrmoe.passes.forward.plan_backward), and
-the backward calls no planner: a local selection's
+"""The backward's plan is planned during the forward, after its expert work and before ``save``
+(lrmoe.passes.forward.plan_backward; before the expert work where a chunked forward must know
+what it keeps: tests/layer/test_keep_modes.py), and the backward calls no planner: a local selection's
 strata and, where nothing was kept, its kept pairs' assignment come from the call's record."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_the_backward_plan_is_planned_in_the_forward_and_read_from_the_record(po
         for forward, backward, kept_TK in pool.run(world, deferred_case, selection, mode):
             assert backward == [], f"{mode}: the backward planned {backward}"
             stages = [n for n in forward if n in ("plan_forward", "plan_backward", *STAGES)]
-            want = ["plan_forward", "dispatch", "plan_backward", "compute", "combine", "save"]
+            want = ["plan_forward", "dispatch", "compute", "combine", "plan_backward", "save"]
             assert stages == want, (mode, forward)
             assert "plan_strata" in forward, "the strata were planned with the backward's plan"
             kept.setdefault(mode, []).append(kept_TK)

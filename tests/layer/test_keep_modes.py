@@ -7,6 +7,8 @@ tests/planning/test_memory_cap.py.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -201,10 +203,12 @@ def test_in_place_with_replicas_equals_the_reference(pool):
 
 
 def gate_up_chunked_case(group, chunk: int):
-    """Keeping x and gate/up with the forward's silu, h and y ``chunk`` rows at a time (the
-    plan's chunks forced, as a cap would set them): the reference's gradients with the layer's
-    kept set, y unchanged, the meter's peak the replay's with those chunks."""
-    import lrmoe.planning.backward_plan as backward_plan
+    """Keeping x and gate/up, the forward computing every row at once (its backward planned
+    after it, silu and h then let go) or, where the plan chunks it (forced here, as a cap would
+    set it), its backward planned first and silu, h and y ``chunk`` rows at a time beside every
+    row's gate/up: the reference's gradients with the layer's kept set, the same y, the meter's
+    peak the replay's."""
+    from lrmoe.planning.planner import LayerPlanner
 
     mp = pytest.MonkeyPatch()
     try:
@@ -213,24 +217,25 @@ def gate_up_chunked_case(group, chunk: int):
         sd, x, g = make_problem(cfg, 48, 5, "none")
         sizes = split_tokens(48, world, None)
         lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
-        outs = {}
-        for chunks in (None, [chunk] * world):
-            mp.setattr(backward_plan, "gate_up_chunks", lambda *args, chunks=chunks: chunks)
+        plan_forward, outs = LayerPlanner.plan_forward, {}
+        for chunked in (False, True):
+            if chunked:
+                mp.setattr(LayerPlanner, "plan_forward", lambda self, *a, **k: replace(
+                    plan_forward(self, *a, **k), chunk_rows_R=[chunk] * world))
             layer = MoELayer(cfg, system="lrmoe", group=group,
                              backward=BackwardConfig("local-sampled", ratio=0.6, seed=3, keep=KEEP_X_GATE_UP))
             layer.load_full_state_dict(sd)
             x_local = x[lo:hi].clone().requires_grad_(True)
             out = layer(x_local)
             out.backward(g[lo:hi])
-            equals_kept_reference(layer, x_local.grad, x, g, sd, cfg, sizes, group, f"chunks {chunks}")
+            equals_kept_reference(layer, x_local.grad, x, g, sd, cfg, sizes, group, f"chunked {chunked}")
             s, pl = layer.last_stats, layer.placement
             work = RankWork(s["recv_rows"], s["bwd_gemm_rows"], len(pl.slots[rank]), len(pl.owned(rank)),
-                            None if chunks is None else chunk, world, pl.num_copies > cfg.num_experts,
-                            keep=KEEP_X_GATE_UP)
+                            chunk if chunked else None, world, pl.num_copies > cfg.num_experts, keep=KEEP_X_GATE_UP)
             assert expert_side_peak("lrmoe", cfg.dim, cfg.ffn_dim, 4, work) == s["peak_expert_side_bytes"]
-            outs[chunks is None] = (out.detach(), s["peak_expert_side_bytes"], s["recv_rows"])
-        close("y in chunks", outs[False][0], outs[True][0])
-        return outs[False][1] < outs[True][1], outs[True][2]
+            outs[chunked] = (out.detach(), s["peak_expert_side_bytes"], s["recv_rows"])
+        close("y in chunks", outs[True][0], outs[False][0])
+        return outs[True][1] < outs[False][1], outs[False][2]
     finally:
         mp.undo()
 

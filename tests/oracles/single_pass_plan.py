@@ -45,7 +45,8 @@ def single_pass(planner: LayerPlanner, counts_SE: torch.Tensor) -> dict:
         keep = fit.keep
     if keep == KEEP_X_GATE_UP:  # (a mode added after the split) its forward's chunks, that it leaves room for
         bwd_R = peak_model.kept_rows_bound(fit.assignment, quota_E)
-        fit = replace(fit, chunk_rows_R=peak_model.gate_up_chunks(self.peaks, placement, fit.assignment, bwd_R))
+        fit = replace(fit, chunk_rows_R=peak_model.gate_up_chunks(self.peaks, placement, fit.assignment,
+                                                                  fit.chunk_rows_R, bwd_R))
     capped = cap_figures(fit, self.memory_R, self.rank, not self.spec.compacts)
     figures = replace(figures, keep_mode=keep or spec_keep(self.spec), replica_slots=len(placement.slots[self.rank]),
                       **capped)

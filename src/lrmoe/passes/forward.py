@@ -1,11 +1,13 @@
-"""The routed experts' forward, in stages: plan → fetch weights → dispatch (the backward planned
-meanwhile) → compute → combine → save. The forward is complete (a forward drop removes its overflow first);
-what the backward needs is left in the call's record.
+"""The routed experts' forward, in stages: plan → fetch weights → dispatch → compute → combine →
+save, the backward planned meanwhile. The forward is complete (a forward drop removes its
+overflow first); what the backward needs is left in the call's record.
 
-The plan stage waits only for what the forward's exchange needs (placement, assignment, chunks);
-the backward's part of the plan (quotas, keep mode, strata, kept assignment:
-:mod:`lrmoe.planning.backward_plan`) is planned while the forward's rows travel, so on a GPU the
-host plans it while the device exchanges them, and the compute knows what its keep mode keeps.
+The plan stage waits only for what the forward needs (placement, assignment, chunks); the
+backward's part of the plan (quotas, keep mode, strata, kept assignment:
+:mod:`lrmoe.planning.backward_plan`) is planned while rows travel: the outputs home, once the
+forward's rows and expert work have been issued (on a GPU the host plans while the device
+computes), or, on a rank whose chunked forward must know whether to keep gate/up, the rows to
+the experts (:func:`plans_backward_first`).
 """
 
 from __future__ import annotations
@@ -70,14 +72,19 @@ def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tenso
         clock.lap("fwd_plan_backward")
         save(call, None, None, weights, gate_up)
     else:
-        # the backward's plan while the rows travel to the experts (on CUDA, while the device
-        # exchanges them); before compute, which computes what its keep mode keeps
-        call.meanwhile(channel, "fwd_plan_backward", lambda: plan_backward(call))
+        # the backward's plan while rows travel: home (on CUDA, while the device still computes
+        # what was just issued), before save, which keeps what its keep mode says; or, where the
+        # compute must know it (plans_backward_first), to the experts
+        first = plans_backward_first(call)
+        if first:
+            call.meanwhile(channel, "fwd_plan_backward", lambda: plan_backward(call))
         rows_RD = dispatch(call, x_TD, weights_TK, channel)
         channel.flush()  # (where no row crossed, no exchange did the plan: now)
         clock.lap("fwd_dispatch")
         y_RD, norms, acts = compute(call, rows_RD, weights)
         clock.lap("fwd_compute")
+        if not first:
+            call.meanwhile(channel, "fwd_plan_backward", lambda: plan_backward(call))
         out_TD, y_PD, h_sq_P = combine(call, x_TD, weights_TK, y_RD, norms, channel)
         channel.flush()
         clock.lap("fwd_combine")
@@ -115,6 +122,16 @@ def plan(call: CallRecord, weights_TK: torch.Tensor, channel: Channel) -> None:
         call.forward_keep_P, forward_SE = sel.keep_P, sel.kept_SE
     call.plan = planner.plan_forward(counts_SE, forward_SE, call.training)
     call.stats.figures = call.plan.figures
+
+
+def plans_backward_first(call: CallRecord) -> bool:
+    """Whether this rank plans the backward before its compute: a compacting training call whose
+    forward the plan chunks here, which keeping gate/up computes otherwise (every row's gate/up
+    held, silu, h and y in chunks). A rank computing every row at once has all four activations
+    and keeps what the plan then says; the plan is the same on every rank either way."""
+    plan, rank = call.plan, call.layer.rank
+    return (call.training and call.layer.spec.compacts and plan.chunk_rows_R is not None
+            and plan.chunk_rows_R[rank] < int(plan.assignment.rows_R()[rank]))
 
 
 def plan_backward(call: CallRecord) -> None:
@@ -265,7 +282,9 @@ def save(call: CallRecord, rows_RD: torch.Tensor, acts: dict[str, torch.Tensor] 
     if weights.gate_up is not gate_up:
         call.saved.slot_weights = (weights.gate_up, weights.down)
     kept = kept_to_backward(call.layer.spec, call.plan.keep, chunked=acts is None)
-    if kept.acts or kept.gate_up:  # (gate/up: all ``acts`` holds)
+    if kept.gate_up and "silu" in acts:  # a forward of every row at once: silu and h go
+        meter.drop(acts.pop("silu"), acts.pop("h"))
+    if kept.acts or kept.gate_up:
         call.saved.rows_RD, call.saved.acts = rows_RD, acts
         return
     if acts is not None:

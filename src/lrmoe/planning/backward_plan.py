@@ -86,7 +86,7 @@ def plan_backward(planner: BackwardPlanner, plan: CallPlan) -> BackwardPlan:
             kept_assignment = assign_pairs(plan.rule, strata.kept_SE, placement, kept_capacity_R, plan.node_of)
     bwd_chunk_rows_R = chunk_rows_R = None
     if keep == KEEP_X_GATE_UP:  # its forward's silu, h and y in chunks where they do not fit at once
-        chunk_rows_R = gate_up_chunks(planner.peaks, placement, plan.assignment,
+        chunk_rows_R = gate_up_chunks(planner.peaks, placement, plan.assignment, plan.chunk_rows_R,
                                       kept_rows_bound(plan.assignment, quota_E))
     elif least and keep != KEEP_X_ACTS:  # kept rows recomputed, in chunks where they do not fit at once
         bwd_R = kept_rows_bound(plan.assignment, quota_E)

@@ -5,7 +5,7 @@ compacting backward chooses what its expert side keeps with it (:func:`keep_mode
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -202,8 +202,8 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     the selection is local (a kept row's position rides with dy; a global one sends a kept byte
     per forward row). ``bwd_chunk``: a mode that recomputes may do so this many rows at a time
     (``BackwardConfig.recompute_chunk``; 0: every kept row at once). Keeping gate/up fits where
-    it does with its forward's silu, h and y :data:`GATE_UP_LEAST_CHUNK` rows at a time
-    (:func:`gate_up_chunks` then finds the largest chunk that fits)."""
+    it does with its forward as :func:`gate_up_least_chunks` computes it (:func:`gate_up_chunks`
+    then finds the largest chunk that fits)."""
     if peaks is None:
         return KEEP_X_ACTS
     world, bm = peaks.world, peaks.bytes
@@ -221,7 +221,7 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
         if mode == KEEP_X_ACTS and any(c is not None and c < n for c, n in zip(chunk_R, fwd_R)):
             continue
         chunk = bwd_chunk if bwd_chunk and mode not in (KEEP_X_ACTS, KEEP_X_GATE_UP) else None
-        fwd_chunk_R = [min(GATE_UP_LEAST_CHUNK, int(n)) for n in fwd_R] if mode == KEEP_X_GATE_UP else chunk_R
+        fwd_chunk_R = gate_up_least_chunks(chunk_R, fwd_R) if mode == KEEP_X_GATE_UP else chunk_R
         if all(peaks.peak(replace(peaks.work(placement, r, int(fwd_R[r]), True, fwd_chunk_R[r]),
                                   bwd_rows=int(bwd_R[r]), keep=mode, bwd_chunk_rows=chunk)) <= peaks.memory_R[r]
                for r in range(world)):
@@ -229,17 +229,33 @@ def keep_mode(peaks: RankPeaks | None, placement: Placement, assignment: PairAss
     return KEEP_NOTHING
 
 
+def gate_up_least_chunks(chunk_rows_R: list[int] | None, fwd_R: list[int]) -> list[int]:
+    """The least rows each rank's forward computes silu, h and y of at once keeping gate/up: all
+    of them on a rank whose forward the plan does not chunk (it computes all four activations at
+    once, its backward planned meanwhile, and keeps gate/up of them:
+    :func:`lrmoe.passes.forward.plans_backward_first`), else :data:`GATE_UP_LEAST_CHUNK`."""
+    chunk_R = chunk_rows_R or [None] * len(fwd_R)
+    return [int(n) if c is None or c >= n else min(GATE_UP_LEAST_CHUNK, int(n)) for c, n in zip(chunk_R, fwd_R)]
+
+
 def gate_up_chunks(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
-                   bwd_R: list[int]) -> list[int] | None:
+                   chunk_rows_R: list[int] | None, bwd_R: list[int]) -> list[int] | None:
     """Rows each rank's forward computes silu, h and y of at once beside every row's gate/up
-    (a compacting call keeping x and gate/up, at most ``bwd_R`` kept rows): all of them where
-    that fits, else the largest chunk that does; None (all at once) without a cap."""
+    (a compacting call keeping x and gate/up, at most ``bwd_R`` kept rows): on a rank whose
+    forward the plan (``chunk_rows_R``) chunks, all of them where that fits, else the largest
+    chunk that does; all of them elsewhere (:func:`gate_up_least_chunks`). The plan's chunks
+    without a cap."""
     if peaks is None:
-        return None
-    fwd_R = assignment.rows_R()
-    works = [replace(peaks.work(placement, r, int(fwd_R[r]), True), bwd_rows=int(bwd_R[r]), keep=KEEP_X_GATE_UP)
-             for r in range(peaks.world)]
-    return _largest_chunks(peaks, works, [int(n) for n in fwd_R], "chunk_rows")
+        return chunk_rows_R
+    fwd_R = [int(n) for n in assignment.rows_R()]
+    least_R = gate_up_least_chunks(chunk_rows_R, fwd_R)
+    chunked = [r for r in range(peaks.world) if least_R[r] < fwd_R[r]]
+    works = [replace(peaks.work(placement, r, fwd_R[r], True), bwd_rows=int(bwd_R[r]), keep=KEEP_X_GATE_UP)
+             for r in chunked]
+    out = list(fwd_R)
+    for r, c in zip(chunked, _largest_chunks(peaks, works, [fwd_R[r] for r in chunked], "chunk_rows", chunked)):
+        out[r] = c
+    return out
 
 
 def recompute_chunks(peaks: RankPeaks | None, placement: Placement, assignment: PairAssignment,
@@ -254,14 +270,15 @@ def recompute_chunks(peaks: RankPeaks | None, placement: Placement, assignment: 
     chunk_R = chunk_rows_R or [None] * peaks.world
     works = [replace(peaks.work(placement, r, int(fwd_R[r]), True, chunk_R[r]), bwd_rows=int(bwd_R[r]), keep=keep)
              for r in range(peaks.world)]
-    return _largest_chunks(peaks, works, [int(n) for n in bwd_R], "bwd_chunk_rows")
+    return _largest_chunks(peaks, works, [int(n) for n in bwd_R], "bwd_chunk_rows", range(peaks.world))
 
 
-def _largest_chunks(peaks: RankPeaks, works: list[RankWork], rows_R: list[int], field: str) -> list[int]:
-    """Per rank, its ``rows_R`` rows where its work (``field`` unset: all at once) fits its cap,
-    else the largest ``field`` chunk whose peak does."""
+def _largest_chunks(peaks: RankPeaks, works: list[RankWork], rows_R: list[int], field: str,
+                    ranks: Iterable[int]) -> list[int]:
+    """Per rank of ``ranks``, its ``rows_R`` rows where its work (``field`` unset: all at once)
+    fits its cap, else the largest ``field`` chunk whose peak does."""
     out = []
-    for r, (work, rows) in enumerate(zip(works, rows_R)):
+    for r, work, rows in zip(ranks, works, rows_R):
         def peak_of(c: int, work: RankWork = work) -> int:
             return peaks.peak(replace(work, **{field: c}))
 
