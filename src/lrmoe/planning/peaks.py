@@ -46,10 +46,27 @@ class Fit:
 
 def largest_fitting(peak_of: Callable[[int], int], rows: int, cap: int) -> tuple[int, int]:
     """(the largest chunk below ``rows`` whose peak ``peak_of(chunk)`` fits ``cap``, its peak); one
-    row and its peak where none does."""
+    row and its peak where none does. ``peak_of`` grows with the chunk: a bisection whose first
+    probes are where the line through the two ends meets the cap and the chunk above it (a chunk's
+    transients grow linearly, so where they make the peak that brackets the answer at once: four
+    replays instead of a dozen)."""
     lo, hi = 1, rows - 1
-    if peak_of(lo) > cap:
-        return lo, peak_of(lo)
+    at_lo = peak_of(lo)
+    if at_lo > cap:
+        return lo, at_lo
+    if hi > lo:
+        at_hi = peak_of(hi)
+        if at_hi <= cap:
+            return hi, at_hi
+        hi -= 1  # the answer is in [lo, hi]
+        guess = lo + (cap - at_lo) * (rows - 1 - lo) // (at_hi - at_lo) if at_hi > at_lo else lo
+        for mid in (guess, guess + 1):
+            if not lo < mid <= hi:
+                continue
+            if peak_of(mid) > cap:
+                hi = mid - 1
+                break
+            lo = mid
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if peak_of(mid) <= cap:
