@@ -6,8 +6,9 @@ the CPU calibration (where the rates are fitted by least squares):
 - grouped GEMMs: a roofline, ``max(FLOPs / (peak·gemm_eff), operand bytes / (bw·mem_eff))``;
   forward ``6·R·D·F`` FLOPs for R rows (gate, up, down), backward ``12·R·D·F`` (dh, dW_down,
   dW_gate, dW_up, dx) plus ``4·R·D·F`` where gate/up are recomputed (``call.recomputes``:
-  static-recompute, masked, and lrmoe unless its call kept x and the activations; a call kept
-  by the row, ``call.split_R``: its x-only rows, its gate/up rows recomputing silu and h);
+  static-recompute, masked, and lrmoe unless its call kept x and the activations or gate/up,
+  which recomputes silu and h; a call kept by the row, ``call.split_R``: its x-only rows, its
+  gate/up rows recomputing silu and h);
   operand bytes are the weights (once per local copy, GEMM and chunk) plus the rows in and out;
 - elementwise and copy kernels: bytes / (bw·mem_eff) — SwiGLU and its backward, ‖h‖² (the
   selective systems, ``spec.selective``), the home-side gather of rows into send order and the
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lrmoe.memory.bytes import H_SQ_BYTES, expert_param_bytes, position_bytes
+from lrmoe.memory.bytes import H_SQ_BYTES, KEEP_X_GATE_UP, expert_param_bytes, position_bytes
 from lrmoe.sim.hardware import Hardware
 from lrmoe.sim.layer_calls import LayerCall
 from lrmoe.sim.models import ModelSpec
@@ -104,6 +105,8 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
         kept = np.array([[s.acts, s.gate_up] for s in call.split_R], np.float64).reshape(-1, 2)
         gate_up_rows = np.minimum(kept[:, 1], Rb)
         recompute = np.clip(Rb - kept.sum(1), 0, None) / np.maximum(Rb, 1)
+    if call.keep == KEEP_X_GATE_UP:  # a compacting call keeping gate/up: silu and h of every kept row
+        gate_up_rows = Rb
     recomputes = recompute > 0
     w_bytes = expert_param_bytes(D, F, s) * L  # one read of every local copy's weights
     groups = L if per_expert_gemm else np.ones_like(L)
@@ -118,7 +121,8 @@ def features(call: LayerCall, spec: ModelSpec, s: int, per_expert_gemm: bool = F
     fwd_elem = Rf * 4 * F * s + (Rf * F * s if h_sq else 0) + call.home_pairs_R * 3 * D * s
     bwd_elem = Rb * 8 * F * s + (Rb * recompute + gate_up_rows) * 4 * F * s + call.home_bwd_pairs_R * 3 * D * s
     if call.keep is not None and not call.resends_x:  # kept rows gathered out of the saved x (and activations)
-        bwd_elem = bwd_elem + np.where(Rb < Rf, 2 * Rb * (D + np.where(recomputes, 0, 4 * F)) * s, 0)
+        saved_F = np.where(recomputes, 0, 2 * F if call.keep == KEEP_X_GATE_UP else 4 * F)
+        bwd_elem = bwd_elem + np.where(Rb < Rf, 2 * Rb * (D + saved_F) * s, 0)
     if system.selects:
         sort = SORT_PASSES * SCORE_BYTES * T * K
         if call.score_in_forward:
