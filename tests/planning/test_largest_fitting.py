@@ -39,12 +39,15 @@ def test_the_largest_fitting_chunk_for_any_growing_peak():
 
 
 def test_a_linear_peak_takes_a_few_replays():
-    calls = []
+    """A chunk's transient on top of what is held, alone or above a floor that makes the peak of
+    the small chunks (what the backward holds): a handful of replays, not a bisection's dozen."""
+    for floor in (0, 1_000_000 + 4096 * 1500):
+        calls = []
 
-    def peak_of(c: int) -> int:
-        calls.append(c)
-        return 1_000_000 + 4096 * c
+        def peak_of(c: int, floor: int = floor, calls: list = calls) -> int:
+            calls.append(c)
+            return max(floor, 1_000_000 + 4096 * c)
 
-    chunk, _ = largest_fitting(peak_of, 4000, 1_000_000 + 4096 * 2345 + 17)
-    assert chunk == 2345
-    assert len(calls) <= 5, calls
+        chunk, peak = largest_fitting(peak_of, 4000, 1_000_000 + 4096 * 2345 + 17)
+        assert (chunk, peak) == (2345, 1_000_000 + 4096 * 2345)
+        assert len(calls) <= 8, (floor, calls)  # a bisection of 4000 rows: 13

@@ -46,34 +46,39 @@ class Fit:
 
 def largest_fitting(peak_of: Callable[[int], int], rows: int, cap: int) -> tuple[int, int]:
     """(the largest chunk below ``rows`` whose peak ``peak_of(chunk)`` fits ``cap``, its peak); one
-    row and its peak where none does. ``peak_of`` grows with the chunk: a bisection whose first
-    probes are where the line through the two ends meets the cap and the chunk above it (a chunk's
-    transients grow linearly, so where they make the peak that brackets the answer at once: four
-    replays instead of a dozen)."""
-    lo, hi = 1, rows - 1
-    at_lo = peak_of(lo)
-    if at_lo > cap:
+    row and its peak where none does. ``peak_of`` grows with the chunk. A chunk's transients grow
+    linearly on top of what is held, so the peak is a line where they make it and flat elsewhere:
+    the bracket is first narrowed where the line through its ends meets the cap (and the chunk
+    above, which closes it where the guess is exact), then bisected — a handful of replays
+    instead of a dozen."""
+    lo, at_lo = 1, peak_of(1)
+    if at_lo > cap or rows <= 2:
         return lo, at_lo
-    if hi > lo:
-        at_hi = peak_of(hi)
-        if at_hi <= cap:
-            return hi, at_hi
-        hi -= 1  # the answer is in [lo, hi]
-        guess = lo + (cap - at_lo) * (rows - 1 - lo) // (at_hi - at_lo) if at_hi > at_lo else lo
+    up, at_up = rows - 1, peak_of(rows - 1)
+    if at_up <= cap:
+        return up, at_up
+    for _ in range(SECANT_PROBES):  # peak_of(lo) <= cap < peak_of(up) throughout
+        if up - lo <= 1:
+            break
+        guess = lo + (cap - at_lo) * (up - lo) // (at_up - at_lo) if at_up > at_lo else (lo + up) // 2
         for mid in (guess, guess + 1):
-            if not lo < mid <= hi:
-                continue
-            if peak_of(mid) > cap:
-                hi = mid - 1
-                break
-            lo = mid
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if peak_of(mid) <= cap:
-            lo = mid
+            if lo < mid < up:
+                at = peak_of(mid)
+                if at > cap:
+                    up, at_up = mid, at
+                    break
+                lo, at_lo = mid, at
+    while up - lo > 1:
+        mid = (lo + up) // 2
+        at = peak_of(mid)
+        if at <= cap:
+            lo, at_lo = mid, at
         else:
-            hi = mid - 1
-    return lo, peak_of(lo)
+            up, at_up = mid, at
+    return lo, at_lo
+
+
+SECANT_PROBES = 3  # rounds of line guesses before bisecting (largest_fitting)
 
 
 @dataclass(frozen=True)
