@@ -27,7 +27,7 @@
 | ``train_wall_s`` | cumulative ``step_ms`` in seconds since step 1, across resumes (compare's wall time) |
 | ``skipped`` | the step was skipped for a non-finite loss or gradient |
 | ``replica_slots`` | expert copies held per rank, mean over layers and ranks |
-| ``keep_modes`` | per MoE layer: what its expert side kept to the backward (``x+acts``, ``x+gate_up``, ``x``, ``nothing``) |
+| ``keep_modes`` | per MoE layer: what its expert side kept to the backward (a ``KEEP_MODES`` name) |
 | ``fwd_chunk_rows``, ``bwd_chunk_rows`` | under a cap: fewest rows computed at once, min over layers and ranks |
 | ``kept_parts`` | kept by the row: shares of received rows keeping activations, gate/up, x alone |
 | ``trim_ratio`` | per MoE layer, the noise objective: the ratio of its pairs its quotas took this step |
