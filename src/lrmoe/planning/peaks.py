@@ -44,6 +44,9 @@ class Fit:
     rounds: bool = False  # lrmoe's forward moves its rows in rounds (its controller's last resort)
 
 
+SECANT_PROBES = 3  # rounds of line guesses before largest_fitting bisects
+
+
 def largest_fitting(peak_of: Callable[[int], int], rows: int, cap: int) -> tuple[int, int]:
     """(the largest chunk below ``rows`` whose peak ``peak_of(chunk)`` fits ``cap``, its peak); one
     row and its peak where none does. ``peak_of`` grows with the chunk. A chunk's transients grow
@@ -76,9 +79,6 @@ def largest_fitting(peak_of: Callable[[int], int], rows: int, cap: int) -> tuple
         else:
             up, at_up = mid, at
     return lo, at_lo
-
-
-SECANT_PROBES = 3  # rounds of line guesses before bisecting (largest_fitting)
 
 
 @dataclass(frozen=True)
