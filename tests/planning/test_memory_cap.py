@@ -183,11 +183,12 @@ def _richer_do_not_fit(planner: LayerPlanner, plan, cap: int) -> None:
     """``plan.keep`` fits ``cap`` (keeping gate/up, in the largest forward chunks that do) and
     every richer mode is over it on some rank (or needs acts of a chunked forward; keeping
     gate/up, with its forward's least chunk)."""
-    rows_R = plan.assignment.rows_R()
+    rows_R = [int(n) for n in plan.assignment.rows_R()]
     # the forward's chunks as the controller fitted them (keeping gate/up, the plan has its own)
-    chunked = any(planner.controller.forward_chunk_rows(plan.placement, r, n) < n for r, n in enumerate(rows_R))
+    fitted_R = [planner.controller.forward_chunk_rows(plan.placement, r, n) for r, n in enumerate(rows_R)]
+    chunked = any(c < n for c, n in zip(fitted_R, rows_R))
     for mode in KEEP_MODES[:KEEP_MODES.index(plan.keep)]:
-        least = [min(peaks.GATE_UP_LEAST_CHUNK, n) for n in rows_R] if mode == KEEP_X_GATE_UP else None
+        least = peaks.gate_up_least_chunks(fitted_R, rows_R) if mode == KEEP_X_GATE_UP else None
         assert (mode == KEEP_X_ACTS and chunked) or max(_predicted(planner, plan, mode, least)) > cap, (cap, mode)
     if plan.keep != KEEP_NOTHING:
         assert max(_predicted(planner, plan, plan.keep)) <= cap
@@ -195,7 +196,7 @@ def _richer_do_not_fit(planner: LayerPlanner, plan, cap: int) -> None:
         for r, (c, n) in enumerate(zip(plan.chunk_rows_R, rows_R)):
             bigger = [min(c + 1, n) if i == r else plan.chunk_rows_R[i] for i in range(len(rows_R))]
             assert c == n or _predicted(planner, plan, plan.keep, bigger)[r] > cap, (cap, r, c, n)
-            assert c >= min(peaks.GATE_UP_LEAST_CHUNK, n), (cap, r, c)
+            assert c >= (n if fitted_R[r] >= n else min(peaks.GATE_UP_LEAST_CHUNK, n)), (cap, r, c)
 
 
 def test_keeping_gate_up_computes_the_forward_in_the_largest_chunks_that_fit(monkeypatch):
