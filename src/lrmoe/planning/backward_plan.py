@@ -1,14 +1,15 @@
 """The backward's part of a training call's plan, computed off the forward's critical path.
 
-The forward's exchange needs only the placement, its assignment and its chunks; the quotas,
-the kept capacities, a compacting backward's keep mode, a local selection's strata and, where the
-kept pairs are re-spread, their assignment are needed first by the forward's compute (the keep
-mode: keeping gate/up, the forward computes every row's gate/up first, then silu, h and y in
-chunks) and then by the backward. So the layer plans them while the forward's rows travel
-(:func:`lrmoe.passes.forward.plan_backward`): on a GPU the host computes them while the device
-exchanges the rows; on the CPU while the slowest rank catches up. Every input is in the
-forward's plan, so the result is the one a single planning pass gave, bit for bit
-(tests/planning/test_backward_plan.py); nothing here changes planner state.
+The forward needs only the placement, its assignment and its chunks; the quotas, the kept
+capacities, a compacting backward's keep mode, a local selection's strata and, where the kept
+pairs are re-spread, their assignment are needed first by the forward's ``save`` (the keep
+mode) and then by the backward. So the layer plans them after the forward's rows and expert
+work have been issued (:func:`lrmoe.passes.forward.plan_backward`): on a GPU the host computes
+them while the device exchanges and computes the forward's rows; on the CPU they run in the
+outputs' exchange. A rank whose forward the plan chunks plans them before its compute instead
+(keeping gate/up, it computes every row's gate/up first, then silu, h and y in chunks). Every
+input is in the forward's plan, so the result is the one a single planning pass gave, bit for
+bit (tests/planning/test_backward_plan.py); nothing here changes planner state.
 """
 
 from __future__ import annotations
