@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X_GATE_UP, in_rounds, spec_keep
+from lrmoe.planning import chunks
 from lrmoe.planning import peaks as peak_model
 from lrmoe.planning.figures import cap_figures
 from lrmoe.planning.pair_rules import assign_pairs
@@ -45,7 +46,7 @@ def single_pass(planner: LayerPlanner, counts_SE: torch.Tensor) -> dict:
         keep = fit.keep
     if keep == KEEP_X_GATE_UP:  # (a mode added after the split) its forward's chunks, that it leaves room for
         bwd_R = peak_model.kept_rows_bound(fit.assignment, quota_E)
-        fit = replace(fit, chunk_rows_R=peak_model.gate_up_chunks(self.peaks, placement, fit.assignment,
+        fit = replace(fit, chunk_rows_R=chunks.gate_up_chunks(self.peaks, placement, fit.assignment,
                                                                   fit.chunk_rows_R, bwd_R))
     capped = cap_figures(fit, self.memory_R, self.rank, not self.spec.compacts)
     figures = replace(figures, keep_mode=keep or spec_keep(self.spec), replica_slots=len(placement.slots[self.rank]),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lrmoe.planning.peaks import largest_fitting
+from lrmoe.planning.chunks import largest_fitting
 
 
 def brute(peak_of, rows: int, cap: int) -> int:

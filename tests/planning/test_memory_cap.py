@@ -14,7 +14,7 @@ import torch
 
 from lrmoe import BackwardConfig, ClusterBudget, MemoryBudgetExceeded, MoEConfig, MoELayer
 from lrmoe.memory import KEEP_MODES, KEEP_NOTHING, KEEP_X_ACTS, KEEP_X_GATE_UP, ByteModel, RankWork, expert_side_peak
-from lrmoe.planning import peaks
+from lrmoe.planning import chunks
 from lrmoe.planning.controller import Controller
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.planner import LayerPlanner
@@ -188,7 +188,7 @@ def _richer_do_not_fit(planner: LayerPlanner, plan, cap: int) -> None:
     fitted_R = [planner.controller.forward_chunk_rows(plan.placement, r, n) for r, n in enumerate(rows_R)]
     chunked = any(c < n for c, n in zip(fitted_R, rows_R))
     for mode in KEEP_MODES[:KEEP_MODES.index(plan.keep)]:
-        least = peaks.gate_up_least_chunks(fitted_R, rows_R) if mode == KEEP_X_GATE_UP else None
+        least = chunks.gate_up_least_chunks(fitted_R, rows_R) if mode == KEEP_X_GATE_UP else None
         assert (mode == KEEP_X_ACTS and chunked) or max(_predicted(planner, plan, mode, least)) > cap, (cap, mode)
     if plan.keep != KEEP_NOTHING:
         assert max(_predicted(planner, plan, plan.keep)) <= cap
@@ -196,14 +196,14 @@ def _richer_do_not_fit(planner: LayerPlanner, plan, cap: int) -> None:
         for r, (c, n) in enumerate(zip(plan.chunk_rows_R, rows_R)):
             bigger = [min(c + 1, n) if i == r else plan.chunk_rows_R[i] for i in range(len(rows_R))]
             assert c == n or _predicted(planner, plan, plan.keep, bigger)[r] > cap, (cap, r, c, n)
-            assert c >= (n if fitted_R[r] >= n else min(peaks.GATE_UP_LEAST_CHUNK, n)), (cap, r, c)
+            assert c >= (n if fitted_R[r] >= n else min(chunks.GATE_UP_LEAST_CHUNK, n)), (cap, r, c)
 
 
 def test_keeping_gate_up_computes_the_forward_in_the_largest_chunks_that_fit(monkeypatch):
     """Keeping x and gate/up, the forward holds every row's gate/up and computes silu, h and y a
     chunk at a time: where all at once does not fit, in the largest chunks that do, never below
     the least chunk (here lowered to 40 of the 96 rows a rank, so that this shape shows it)."""
-    monkeypatch.setattr(peaks, "GATE_UP_LEAST_CHUNK", 40)
+    monkeypatch.setattr(chunks, "GATE_UP_LEAST_CHUNK", 40)
     cfg, world = MoEConfig(**QWEN), 2
     counts_SE = _hot_counts_SE(cfg, world)
     spec, bw, chunked = spec_of("lrmoe"), BackwardConfig(ratio=0.3), 0

@@ -6,6 +6,7 @@
     backward_rows.py  what the backward's stages hand one another: Kept, DyRows, BackwardRows
     stats.py      CallStats: a call's figures, typed; MoELayer.last_stats is its dict view
     stages.py     the passes' stage names and the clock that times them (stats' stage_ms)
+    weights.py    the slot weights a call computes with, fetched before its forward
     forward.py    plan → fetch weights → dispatch → compute → combine → save
     backward.py   select → plan rows → dispatch → compute → return
     selectors.py  the backward's selection: the forward's pairs, a global one, a local one in strata

@@ -13,16 +13,13 @@ the experts (:func:`plans_backward_first`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from lrmoe import experts
 from lrmoe.config import BackwardConfig
 from lrmoe.memory.bytes import KEEP_X_ACTS, KEEP_X_GATE_UP, RowSplit, kept_to_backward, nbytes
-from lrmoe.memory.meter import MemoryMeter
-from lrmoe.parallel import sharding
-from lrmoe.parallel.comm import Channel, WireCounter
+from lrmoe.parallel.comm import Channel
 from lrmoe.parallel.dispatch import Message, to_experts, to_home, to_home_with_norms
 from lrmoe.parallel.rows import row_layout
 from lrmoe.passes import row_paths
@@ -30,24 +27,10 @@ from lrmoe.passes.by_row import forward_by_row
 from lrmoe.passes.control import control_means
 from lrmoe.passes.record import CallRecord
 from lrmoe.passes.rounds import forward_in_rounds
+from lrmoe.passes.weights import SlotWeights, fetch_weights
 from lrmoe.planning.cost import ADAM_STATES
 from lrmoe.selection.global_selection import nonfinite_counts, select
 from lrmoe.selection.scores import score_norms
-from lrmoe.systems import PlacementKind
-
-
-@dataclass(frozen=True)
-class SlotWeights:
-    """Weights of every local slot (owned experts, then replicas, as two sets; sharded systems:
-    the experts this call assembled here) and the parameter bytes the call moved to have them."""
-
-    gate_up: experts.Slots
-    down: experts.Slots
-    moved_bytes: int
-
-    @property
-    def ffn_dim(self) -> int:
-        return (self.down if isinstance(self.down, torch.Tensor) else self.down[0]).shape[2]
 
 
 def routed_forward(call: CallRecord, x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor,
@@ -151,30 +134,6 @@ def plan_backward(call: CallRecord) -> None:
             noise.minibatch_ratio
     call.stats.figures = call.plan.figures
     call.selector, call.path = row_paths.choose(layer.spec, call.plan.keep, layer.backward.local)
-
-
-def fetch_weights(call: CallRecord, gate_up: torch.Tensor, down: torch.Tensor, channel: Channel) -> SlotWeights:
-    """This call's copies fetched from their owners where the plan placed new ones (collective),
-    the local slots' weights, and the call's meter, which from here on hears of every row the
-    channel delivers."""
-    layer, placement = call.layer, call.plan.placement
-    layer.replicas.ready()  # a refresh the last step_end started: its rows are needed now
-    moved = 0
-    if call.plan.fetch:
-        moved += layer.replicas.refresh(gate_up.detach(), down.detach(), placement, layer.rank, layer.group)
-    if layer.spec.placement is PlacementKind.SHARDED:  # assembled from every rank's slices
-        slices = WireCounter(node_of=layer.node_of)  # placement bytes, not the forward's rows
-        w_gu, w_down = sharding.assemble(gate_up.detach(), down.detach(), placement, layer.rank, channel.group, slices)
-        moved += slices.sent
-        base = 2 * (nbytes(gate_up, down) + nbytes(w_gu, w_down))  # slices and their gradients, assembled and theirs
-    elif len(layer.replicas.experts):  # two weight sets, owned then replicas, never concatenated
-        w_gu, w_down = (gate_up, layer.replicas.gate_up_proj), (down, layer.replicas.down_proj)
-        base = 2 * nbytes(*w_gu, *w_down)  # every copy and its gradient
-    else:
-        w_gu, w_down = gate_up, down
-        base = 2 * nbytes(w_gu, w_down)
-    call.meter = channel.memory = MemoryMeter(base)
-    return SlotWeights(w_gu, w_down, moved)
 
 
 def lay_out(call: CallRecord, weights_TK: torch.Tensor | None = None) -> None:

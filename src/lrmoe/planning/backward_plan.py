@@ -24,9 +24,10 @@ from lrmoe.memory.bytes import KEEP_NOTHING, KEEP_X_ACTS, KEEP_X_GATE_UP
 from lrmoe.planning import controller as controller_module
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.call_plan import BackwardPlan, CallPlan
+from lrmoe.planning.chunks import gate_up_chunks, recompute_chunks
 from lrmoe.planning.noise_control import NoiseController
 from lrmoe.planning.pair_rules import assign_pairs
-from lrmoe.planning.peaks import RankPeaks, gate_up_chunks, kept_rows_bound, recompute_chunks
+from lrmoe.planning.peaks import RankPeaks, kept_rows_bound
 from lrmoe.planning.placement import Placement
 from lrmoe.planning.quota_ratio import fixed_ratio_quota
 from lrmoe.planning.time_objective import fastest_quotas

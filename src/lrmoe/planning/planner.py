@@ -70,13 +70,10 @@ class LayerPlanner:
         self.load_E = torch.ones(config.num_experts, dtype=torch.float64)
         self.steps = 0
         self._last_SE: torch.Tensor | None = None  # the last training call's rows (a capped re-plan's prediction)
-        # the last training call's backward kept x and the activations: a compacting system's next
-        # forward lays its rows in order of routing weight, which only compaction in place uses
-        self.kept_activations = True
+        self.kept_activations = True  # the last backward kept x+acts: the next lays rows by weight (in place)
         self.strategy = strategy_for(spec.planner, StrategyInputs(self.base, config, rank, self.costs, self.node_of,
                                                                   self.default_slots_R, routing_trace))
-        # peaks predicted under a cap; a fitter where this planner keeps every call within it
-        # (lrmoe's controller plans within its budget itself)
+        # peaks under a cap; a fitter where this planner fits every call (lrmoe's controller plans itself)
         self.peaks = None if self.memory_R is None else RankPeaks(spec, config, world, self.memory_R)
         self.fitter = None
         if self.peaks is not None and self.controller is None:
