@@ -7,15 +7,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lrmoe.memory.bytes import KEEP_X_GATE_UP
 from lrmoe.memory.replay import RankWork
 from lrmoe.planning.assignment import PairAssignment
 from lrmoe.planning.placement import Placement
 
-if TYPE_CHECKING:
-    from lrmoe.planning.peaks import RankPeaks
+
+class RankPeaks(Protocol):
+    """What chunk sizing reads of :class:`lrmoe.planning.peaks.RankPeaks` (a protocol: that
+    module fits its plans with :func:`largest_fitting`, so this one imports nothing of it)."""
+
+    world: int
+    memory_R: list[int]
+
+    def work(self, placement: Placement, r: int, rows: int, training: bool, chunk: int | None = None) -> RankWork: ...
+
+    def peak(self, work: RankWork) -> int: ...
 
 SECANT_PROBES = 3  # rounds of line guesses before largest_fitting bisects
 
