@@ -106,9 +106,11 @@ class NoiseController:
     def state(self, group: Group = None) -> tuple[float | None, ...]:
         """What a checkpoint keeps: the ratio, the last measured ratios, then the sums not yet taken
         (a checkpoint falls between a backward and the next forward that takes them), totalled
-        over ``group`` (collective) so that every rank's copy is the same."""
+        over ``group`` (collective) so that every rank's copy is the same: gathered and summed in
+        rank order as :meth:`update`'s caller sums them, so the total is theirs to the last bit."""
         sums = torch.zeros(_SUMS, dtype=torch.float64) if self._sums is None else self._sums.cpu()
-        return (self.ratio, self.variance_ratio, self.minibatch_ratio, *comm.all_reduce_sum(sums, group).tolist())
+        summed = comm.all_gather(sums.view(1, -1), [1] * comm.world_size(group), group).sum(0)
+        return (self.ratio, self.variance_ratio, self.minibatch_ratio, *summed.tolist())
 
     def load_state(self, state: tuple[float | None, ...], holder: bool = True) -> None:
         """:meth:`state` back; the group's pending total goes to one ``holder`` rank (the others

@@ -170,8 +170,7 @@ class LayerPlanner:
         return True
 
     def take_bound_optimizer_bytes(self) -> int | None:
-        """Optimizer bytes bound to new copies since the last take (modelled, not moved); None
-        for systems that move no optimizer state."""
+        """Optimizer bytes bound to new copies since the last take (modelled); None: none moves."""
         return self.strategy.take_bound_optimizer_bytes()
 
     @property
@@ -286,11 +285,12 @@ class LayerPlanner:
     def state(self) -> dict:
         return {"load_E": self.load_E.clone(), "steps": self.steps,
                 "slots": [list(s) for s in self.placement.slots], "trace": self.strategy.trace,
-                "replica_k": None if self.search is None else self.search.k}
+                "replica_k": None if self.search is None else self.search.k, "kept_activations": self.kept_activations}
 
     def load_state(self, state: dict) -> None:
         self.load_E = state["load_E"].clone()
         self.steps = int(state["steps"])
+        self.kept_activations = bool(state.get("kept_activations", True))
         self.strategy.load_trace(state.get("trace", []))
         if self.search is not None:
             self.search.k = state.get("replica_k")

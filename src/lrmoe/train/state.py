@@ -11,7 +11,9 @@ Every value is a tensor under a flat key:
   ``step``, ``exp_avg``, ``exp_avg_sq``), experts split the same way;
 - ``moe/L/dpK/...``: MoE layer L's train state in data-parallel replica K (``load_E``, the
   ``counters`` [planner steps, backward calls, lrmoe's searched replica count or -1], the replica
-  placement as a (ranks, experts) ``slots`` mask, smartmoe's ``trace``);
+  placement as a (ranks, experts) ``slots`` mask, smartmoe's ``trace``, the noise objective's
+  ``noise`` state, and ``kept_activations``: whether the last backward kept them, which the next
+  call's row order follows);
 - ``rng/R``: rank R's torch RNG state.
 
 A rank contributes the experts it owns under the static placement of its expert-parallel
@@ -37,7 +39,8 @@ from lrmoe.train.groups import Groups
 
 GATE_UP, DOWN = EXPERT_TENSORS
 # MoELayer.train_state()'s keys
-LAYER_STATE_KEYS = {"load_E", "steps", "slots", "trace", "replica_k", "backward_calls", "noise"}
+LAYER_STATE_KEYS = {"load_E", "steps", "slots", "trace", "replica_k", "backward_calls", "noise",
+                    "kept_activations"}
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -139,6 +142,7 @@ class TrainState:
                                                   -1 if s["replica_k"] is None else s["replica_k"]], dtype=torch.int64)}
         if s["trace"]:
             out[f"{where}/trace"] = torch.stack(list(s["trace"]))
+        out[f"{where}/kept_activations"] = torch.tensor([int(s["kept_activations"])], dtype=torch.int8)
         if s["noise"] is not None:  # the noise objective's ratio and last measurements (nan: none yet)
             noise = [math.nan if v is None else v for v in s["noise"]]
             out[f"{where}/noise"] = torch.tensor(noise, dtype=torch.float64)
@@ -242,9 +246,11 @@ class TrainState:
         trace, noise = flat.get(f"{where}/trace"), flat.get(f"{where}/noise")
         if noise is not None:
             noise = tuple(None if math.isnan(v) else v for v in noise.tolist())
+        kept_activations = flat.get(f"{where}/kept_activations")  # (older checkpoints lack it)
         return {"noise": noise, "load_E": flat[f"{where}/load_E"].to(torch.float64), "steps": steps, "slots": slots,
                 "trace": [] if trace is None else list(trace.to(torch.float64).unbind(0)),
-                "replica_k": replica_k if same_ep and replica_k >= 0 else None, "backward_calls": backward_calls}
+                "replica_k": replica_k if same_ep and replica_k >= 0 else None, "backward_calls": backward_calls,
+                "kept_activations": True if kept_activations is None else bool(kept_activations.item())}
 
 
 def expert_shape(layer: MoELayer, tensor: str) -> tuple[int, int]:
