@@ -68,6 +68,14 @@ def test_topoep_config_needs_topology():
     assert from_dict({"train": {"system": "topoep"}, "budget": {"ranks_per_node": 1}}).budget.node_of(2) == [0, 1]
 
 
+def test_training_in_another_dtype_is_refused_before_launch():
+    """The built-in model's other layers are float32: a bf16 MoE layer would meet float32 rows
+    at its first GEMM, so the config says so instead."""
+    with pytest.raises(ConfigError, match=r"model.moe.dtype='bfloat16' is invalid for training"):
+        from_dict({"model": {"moe": {"dtype": "bfloat16"}}})
+    assert from_dict({"model": {"moe": {"dtype": "float32"}}}).model.moe.torch_dtype == torch.float32
+
+
 def test_unknown_keys_are_rejected():
     for raw, needle in [({"train": {"stepz": 3}}, "stepz"), ({"trian": {}}, "trian"),
                         ({"model": {"moe": {"experts": 3}}}, "experts"), ({"model": {"preset": "big"}}, "big")]:

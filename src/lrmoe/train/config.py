@@ -16,6 +16,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+import torch
+
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.models import ModelConfig
 from lrmoe.sizes import SizeError, parse_bytes
@@ -160,6 +162,10 @@ class RunConfig:
                 raise ConfigError("[budget] memory_per_rank and memory_bytes exclude each other: memory_per_rank "
                                   "is the whole rank's memory, from which lrmoe derives memory_bytes (each MoE "
                                   "layer's expert side)")
+        if not self.train.hf_model and self.model.moe.torch_dtype != torch.float32:
+            raise ConfigError(f"model.moe.dtype={self.model.moe.dtype!r} is invalid for training: lrmoe trains in "
+                              "float32 (a transformers checkpoint is loaded in float32 too) and has no mixed "
+                              "precision yet; MoELayer and lrmoe simulate take bfloat16")
         if spec_of(self.train.system).needs_topology and (self.budget is None or self.budget.ranks_per_node is None):
             raise ConfigError(f"train.system={self.train.system!r} needs the topology: [budget] ranks_per_node = ...")
         if self.backward.layer_floors and not self.train.hf_model:  # a checkpoint's count is known once loaded
