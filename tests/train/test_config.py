@@ -76,6 +76,13 @@ def test_training_in_another_dtype_is_refused_before_launch():
     assert from_dict({"model": {"moe": {"dtype": "float32"}}}).model.moe.torch_dtype == torch.float32
 
 
+def test_a_forced_keep_mode_under_a_cap_is_refused_before_launch():
+    for budget in ({"memory_bytes": 70_000_000}, {"memory_per_rank": "4GiB"}):
+        with pytest.raises(ConfigError, match=r"backward.keep='x\+gate_up' with a memory cap is invalid"):
+            from_dict({"backward": {"keep": "x+gate_up"}, "budget": budget})
+    assert from_dict({"backward": {"keep": "x+gate_up"}}).backward.keep == "x+gate_up"
+
+
 def test_unknown_keys_are_rejected():
     for raw, needle in [({"train": {"stepz": 3}}, "stepz"), ({"trian": {}}, "trian"),
                         ({"model": {"moe": {"experts": 3}}}, "experts"), ({"model": {"preset": "big"}}, "big")]:

@@ -162,6 +162,10 @@ class RunConfig:
                 raise ConfigError("[budget] memory_per_rank and memory_bytes exclude each other: memory_per_rank "
                                   "is the whole rank's memory, from which lrmoe derives memory_bytes (each MoE "
                                   "layer's expert side)")
+        capped = self.memory_per_rank is not None or (self.budget is not None and self.budget.memory_bytes)
+        if self.backward.keep is not None and capped:
+            raise ConfigError(f"backward.keep={self.backward.keep!r} with a memory cap is invalid: the cap chooses "
+                              "what is kept (backward.keep forces a keep mode in runs without one)")
         if not self.train.hf_model and self.model.moe.torch_dtype != torch.float32:
             raise ConfigError(f"model.moe.dtype={self.model.moe.dtype!r} is invalid for training: lrmoe trains in "
                               "float32 (a transformers checkpoint is loaded in float32 too) and has no mixed "
