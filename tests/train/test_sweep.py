@@ -93,6 +93,14 @@ def test_sweep_shares_the_reference_and_runs_every_system_under_each_cap(tmp_pat
     assert (tmp_path / "static-uncapped" / "metrics.jsonl").exists()
 
 
+def test_a_config_no_cap_may_take_stops_the_sweep_before_its_reference(tmp_path, monkeypatch):
+    calls, cfg = faked(monkeypatch)
+    forced = from_dict({"train": {"steps": 3}, "backward": {"keep": "x"}})
+    with pytest.raises(ConfigError, match="backward.keep='x' with a memory cap"):
+        sweep.run_sweep(forced, ("lrmoe",), ["0.5x"], tmp_path)
+    assert calls == [], "nothing ran"
+
+
 # ------------------------------------------------------------------- --seeds
 
 

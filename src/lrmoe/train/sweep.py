@@ -80,6 +80,7 @@ def run_sweep(cfg: RunConfig, systems: tuple[str, ...], caps: list[str], out: Pa
     system under it, the reference's target shared); write ``sweep.json`` and ``sweep.png``."""
     for name in systems:
         system_config(cfg, name)
+    _with_cap(cfg, 1)  # a capped config's own checks (backward.keep, ...) before the reference runs
     entries = parse_caps(",".join(caps))
     ref = cfg.compare.reference
     ref_run = f"{ref}-uncapped"
