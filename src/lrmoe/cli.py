@@ -175,7 +175,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
     """``lrmoe compare``: the systems of the flag or the config, run by :func:`run_compare`, or
     with ``--memory-caps`` at each cap by :func:`run_sweep`, with ``--seeds`` once per seed
     (:func:`run_seeds`; both: :func:`run_seed_sweeps`)."""
-    from lrmoe.train.compare import run_compare
+    from lrmoe.train.build import check_layers
+    from lrmoe.train.compare import run_compare, system_config
     from lrmoe.train.sweep import parse_caps, parse_seeds, run_seeds, run_sweep
     from lrmoe.train.sweep_seeds import run_seed_sweeps
 
@@ -183,6 +184,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
     cfg = _resolve(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else cfg.compare.seeds
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
+    for name in systems:  # what each system's layers would refuse, before any run starts
+        check_layers(system_config(cfg, name))
     out = Path(args.out or "runs/compare")
     check_out(out, args.resume, args.overwrite)
     if seeds and caps is not None:

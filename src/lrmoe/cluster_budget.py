@@ -19,7 +19,9 @@ class ClusterBudget:
     receives and returns in one backward (kept rows in, their dx out); ``network_fraction``: the
     same as a fraction of what a rank with the call's mean load receives and returns when it keeps
     nothing (x and dy in, dx out for each of its pairs), set anew for each call — the simulator's
-    ``--network-budget``; not with ``network_bytes``. ``slots``: optional fixed
+    ``--network-budget``; not with ``network_bytes``. The network budget bounds what ``lrmoe``'s
+    controller keeps, so it applies only with ``memory_bytes`` (alone it changes nothing, and the
+    other systems do not read it). ``slots``: optional fixed
     number of expert slots per rank, which then takes precedence over slots derived from memory.
     Each is one int for every rank or a list with one per rank. ``ranks_per_node``: ranks
     ``[n·k, (n+1)·k)`` share node n (``topoep`` plans by it; every system then reports

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lrmoe.train.config import ConfigError, apply_sets, from_dict, load
 from tests.helpers.train import (
@@ -249,6 +250,27 @@ def test_cli_user_errors_are_one_line(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_what_the_ranks_layers_would_refuse_is_one_line_before_launch(tmp_path):
+    """Budget lists, topology, replica and assembly slots, a sharded hidden size, the device:
+    checked on the launcher for an expert-parallel group of the run's size (the ranks raised
+    these with a traceback when they built their layers)."""
+    cfg = str(config_file(tmp_path))  # 4 experts, ffn_dim 32, 2 ranks
+    for args, needle in [
+        (["--system", "laer", "--nproc", "3"], "ffn_dim=32 must be a multiple of the world size 3"),
+        (["--system", "symi", "--set", "budget.slots=1"], "rank 0 has 1 expert slots but owns 2 experts"),
+        (["--system", "laer", "--set", "budget.slots=1"], "assemble at most 2 experts at once"),
+        (["--nproc", "4", "--ep-size", "2", "--set", "budget.memory_bytes=[4000000, 4000000, 4000000, 4000000]"],
+         "expert-parallel group of 2 ranks: memory_bytes=[4000000, 4000000, 4000000, 4000000] is invalid"),
+        (["--system", "topoep", "--set", "budget.ranks_per_node=3"], "ranks_per_node=3 is invalid"),
+    ]:
+        assert needle in one_line_error(run_main("train", "--config", cfg, *args)), args
+    assert "train.system='symi'" in one_line_error(run_main("compare", "--config", cfg, "--systems", "static,symi",
+                                                            "--set", "budget.slots=1"))
+    if not torch.cuda.is_available():
+        assert "train.device='cuda' is invalid here" in one_line_error(
+            run_main("train", "--config", cfg, "--set", 'train.device="cuda"'))
 
 
 @pytest.mark.parametrize("flag,value", [("--nproc", "0"), ("--steps", "-1"), ("--ep-size", "-2"),

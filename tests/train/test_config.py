@@ -68,12 +68,14 @@ def test_topoep_config_needs_topology():
     assert from_dict({"train": {"system": "topoep"}, "budget": {"ranks_per_node": 1}}).budget.node_of(2) == [0, 1]
 
 
-def test_training_in_another_dtype_is_refused_before_launch():
-    """The built-in model's other layers are float32: a bf16 MoE layer would meet float32 rows
-    at its first GEMM, so the config says so instead."""
+def test_a_model_training_cannot_take_is_refused_before_launch():
+    """The built-in model's other layers are float32 (a bf16 MoE layer would meet float32 rows at
+    its first GEMM), and a model of dense layers alone has nothing for lrmoe to train."""
     with pytest.raises(ConfigError, match=r"model.moe.dtype='bfloat16' is invalid for training"):
         from_dict({"model": {"moe": {"dtype": "bfloat16"}}})
     assert from_dict({"model": {"moe": {"dtype": "float32"}}}).model.moe.torch_dtype == torch.float32
+    with pytest.raises(ConfigError, match=r"model.first_dense_layers=2 is invalid for training: it leaves no MoE"):
+        from_dict({"model": {"n_layers": 2, "first_dense_layers": 2}})
 
 
 def test_a_forced_keep_mode_under_a_cap_is_refused_before_launch():

@@ -11,7 +11,9 @@ from torch import nn
 
 from lrmoe.layer import MoELayer, moe_layers
 from lrmoe.models import ModelConfig, MoETransformer
-from lrmoe.systems import spec_of
+from lrmoe.parallel import sharding
+from lrmoe.planning.planner import LayerPlanner
+from lrmoe.systems import PlacementKind, spec_of
 from lrmoe.train.config import ConfigError, RunConfig
 from lrmoe.train.groups import Groups
 from lrmoe.train.hf_model import HFCausalLM, build_hf_model
@@ -48,6 +50,35 @@ def build_model(cfg: RunConfig, vocab_size: int, groups: Groups) -> MoETransform
         layer.load_full_state_dict({k[len(prefix) + 1 :]: v for k, v in full.items() if k.startswith(prefix + ".")})
     assert all(any(k.startswith(p + ".") for p in moe_prefixes) for k in missing), missing
     return model
+
+
+def check_layers(cfg: RunConfig) -> None:
+    """What the ranks' MoE layers would raise when they are built, raised on the launcher as a
+    ConfigError: each rank's budget lists and topology for an expert-parallel group of this
+    run's size, and for the built-in model the planner of such a group (replica slots against
+    the experts a rank owns, a sharded system's hidden size and assembly slots)."""
+    t = cfg.train
+    world = t.ep_size or t.nproc
+    spec = spec_of(t.system)
+    budget = cfg.budget if spec.takes_budget else None
+    where = f"an expert-parallel group of {world} ranks"
+    try:
+        if budget is not None:
+            budget.per_rank(world)
+            budget.node_of(world)
+        if t.hf_model:  # (its MoE blocks are known once the checkpoint is loaded)
+            return
+        moe = cfg.model.moe
+        if spec.placement is PlacementKind.SHARDED:
+            sharding.check_shardable(moe.ffn_dim, world)
+        layers = cfg.model.n_layers - cfg.model.first_dense_layers
+        planner = LayerPlanner(spec, moe, world, 0, budget, cfg.backward.for_layer(0, layers), t.capacity_factor,
+                               t.replan_interval)
+    except ValueError as e:
+        raise ConfigError(f"train.system={t.system!r} on {where}: {e}") from None
+    if spec.placement is PlacementKind.SHARDED and sum(planner.slots_R) < moe.num_experts:
+        raise ConfigError(f"train.system={t.system!r} on {where}: its ranks assemble at most {sum(planner.slots_R)} "
+                          f"experts at once (budget.slots), fewer than the {moe.num_experts} a call may route to")
 
 
 def for_training(model: nn.Module) -> nn.Module:

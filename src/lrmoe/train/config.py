@@ -166,6 +166,9 @@ class RunConfig:
         if self.backward.keep is not None and capped:
             raise ConfigError(f"backward.keep={self.backward.keep!r} with a memory cap is invalid: the cap chooses "
                               "what is kept (backward.keep forces a keep mode in runs without one)")
+        if not self.train.hf_model and self.model.first_dense_layers >= self.model.n_layers:
+            raise ConfigError(f"model.first_dense_layers={self.model.first_dense_layers} is invalid for training: it "
+                              f"leaves no MoE layer of model.n_layers={self.model.n_layers}")
         if not self.train.hf_model and self.model.moe.torch_dtype != torch.float32:
             raise ConfigError(f"model.moe.dtype={self.model.moe.dtype!r} is invalid for training: lrmoe trains in "
                               "float32 (a transformers checkpoint is loaded in float32 too) and has no mixed "

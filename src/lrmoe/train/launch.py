@@ -53,8 +53,17 @@ def preflight(cfg: RunConfig) -> None:
     """What the launcher can check before any rank starts: the ``train.hf_model`` checkpoint
     (:func:`~lrmoe.train.hf_model.inspect_checkpoint`), the corpus (tokenized once here and
     cached for the ranks) holds one global batch in its training and validation splits, and the
-    TensorBoard writer a run asks for is installed."""
+    TensorBoard writer a run asks for is installed, a CUDA device where ``train.device`` asks for
+    one, and what the ranks' MoE layers would refuse (:func:`~lrmoe.train.build.check_layers`)."""
+    import torch
+
+    from lrmoe.train.build import check_layers
+
     t = cfg.train
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' is invalid here: this machine's torch sees no CUDA device "
+                          "(train.device='auto' takes one where there is one)")
+    check_layers(cfg)
     if t.tensorboard:
         import importlib.util
 
