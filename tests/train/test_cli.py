@@ -268,6 +268,9 @@ def test_what_the_ranks_layers_would_refuse_is_one_line_before_launch(tmp_path):
         assert needle in one_line_error(run_main("train", "--config", cfg, *args)), args
     assert "train.system='symi'" in one_line_error(run_main("compare", "--config", cfg, "--systems", "static,symi",
                                                             "--set", "budget.slots=1"))
+    small = run_main("train", "--config", cfg, "--set", "budget.memory_bytes=1000", "--out", str(tmp_path / "oom"))
+    assert small.returncode == 0 and "out of the memory cap" in small.stdout + small.stderr, \
+        "a cap the layers cannot live in stays the run's out-of-memory record, not a config error"
     if not torch.cuda.is_available():
         assert "train.device='cuda' is invalid here" in one_line_error(
             run_main("train", "--config", cfg, "--set", 'train.device="cuda"'))

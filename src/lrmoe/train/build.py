@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lrmoe.errors import MemoryBudgetExceeded
 from lrmoe.layer import MoELayer, moe_layers
 from lrmoe.models import ModelConfig, MoETransformer
 from lrmoe.parallel import sharding
@@ -56,7 +57,9 @@ def check_layers(cfg: RunConfig) -> None:
     """What the ranks' MoE layers would raise when they are built, raised on the launcher as a
     ConfigError: each rank's budget lists and topology for an expert-parallel group of this
     run's size, and for the built-in model the planner of such a group (replica slots against
-    the experts a rank owns, a sharded system's hidden size and assembly slots)."""
+    the experts a rank owns, a sharded system's hidden size and assembly slots). A memory cap
+    the layers cannot live in passes: the ranks record it as the run's out of memory, as
+    documented (a comparison goes on with its other systems)."""
     t = cfg.train
     world = t.ep_size or t.nproc
     spec = spec_of(t.system)
@@ -74,6 +77,8 @@ def check_layers(cfg: RunConfig) -> None:
         layers = cfg.model.n_layers - cfg.model.first_dense_layers
         planner = LayerPlanner(spec, moe, world, 0, budget, cfg.backward.for_layer(0, layers), t.capacity_factor,
                                t.replan_interval)
+    except MemoryBudgetExceeded:  # not a config error: the run's out-of-memory record (lrmoe.train.oom)
+        return
     except ValueError as e:
         raise ConfigError(f"train.system={t.system!r} on {where}: {e}") from None
     if spec.placement is PlacementKind.SHARDED and sum(planner.slots_R) < moe.num_experts:
