@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from lrmoe.train.config import ConfigError, RunConfig, with_restart_checkpoints
 from lrmoe.train.data import TokenData, check_fits
 from lrmoe.train.rendezvous import Rendezvous, current_rendezvous
@@ -55,9 +57,7 @@ def preflight(cfg: RunConfig) -> None:
     cached for the ranks) holds one global batch in its training and validation splits, and the
     TensorBoard writer a run asks for is installed, a CUDA device where ``train.device`` asks for
     one, and what the ranks' MoE layers would refuse (:func:`~lrmoe.train.build.check_layers`)."""
-    import torch
-
-    from lrmoe.train.build import check_layers
+    from lrmoe.train.build import check_layers  # (the model's modules: here, not at the CLI's start)
 
     t = cfg.train
     if t.device == "cuda" and not torch.cuda.is_available():
