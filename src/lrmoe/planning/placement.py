@@ -199,6 +199,16 @@ def place_copies(units: list[tuple[float, int]], rank_load: list[float], free: l
     return placed
 
 
+def replica_room(owned_R: list[int], slots_R: list[int]) -> list[int]:
+    """Each rank's slots left for replicas beside the ``owned_R`` experts it owns; a ValueError
+    where ``slots_R`` leaves a rank fewer slots than it owns experts."""
+    free = [s - o for s, o in zip(slots_R, owned_R)]
+    if any(f < 0 for f in free):
+        r = min(range(len(free)), key=lambda r: free[r])
+        raise ValueError(f"rank {r} has {slots_R[r]} expert slots but owns {owned_R[r]} experts")
+    return free
+
+
 def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int],
                   node_of: list[int] | None = None) -> Placement:
     """Replica placement from (smoothed) expert load: copies ∝ load, at least one per expert
@@ -211,10 +221,7 @@ def plan_replicas(base: Placement, load_E: torch.Tensor, slots_R: list[int],
     load = [max(float(v), 0.0) for v in load_E.tolist()]
     owner = base.owner_E.tolist()
     owned = [tuple(e for e in base.slots[r] if owner[e] == r) for r in range(W)]  # base.owned(r)
-    free = [slots_R[r] - len(owned[r]) for r in range(W)]
-    if any(f < 0 for f in free):
-        r = min(range(W), key=lambda r: free[r])
-        raise ValueError(f"rank {r} has {slots_R[r]} expert slots but owns {len(owned[r])} experts")
+    free = replica_room([len(o) for o in owned], slots_R)
     copies = copies_by_load(load, [1] * E, sum(free), W)
     rank_load = [sum(load[e] / copies[e] for e in owned[r]) for r in range(W)]
     units = [(load[e] / copies[e], e) for e in range(E) for _ in range(copies[e] - 1)]

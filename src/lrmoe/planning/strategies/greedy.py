@@ -8,7 +8,7 @@ import torch
 
 from lrmoe.memory.bytes import expert_param_bytes
 from lrmoe.planning.cost import ADAM_STATES, CostModel
-from lrmoe.planning.placement import Placement
+from lrmoe.planning.placement import Placement, replica_room
 from lrmoe.planning.strategies.base import PlacementStrategy, predicted_rank_load, trim_replicas
 
 HORIZON = 10  # steps a re-placement is expected to last when weighing its cost
@@ -19,6 +19,8 @@ class GreedyMigration(PlacementStrategy):
 
     def __init__(self, inputs) -> None:
         super().__init__(inputs)
+        if inputs.default_slots_R is not None:  # (as plan_replicas refuses them for symi and the others)
+            replica_room(list(self.base.owned_counts), inputs.default_slots_R)
         self.bound_optimizer_bytes = 0
 
     def step_placement(self, current: Placement, load_E: torch.Tensor, slots_R: list[int]) -> Placement:
