@@ -261,6 +261,7 @@ def test_what_the_ranks_layers_would_refuse_is_one_line_before_launch(tmp_path):
         (["--system", "laer", "--nproc", "3"], "ffn_dim=32 must be a multiple of the world size 3"),
         (["--system", "symi", "--set", "budget.slots=1"], "rank 0 has 1 expert slots but owns 2 experts"),
         (["--system", "flexmoe", "--set", "budget.slots=1"], "rank 0 has 1 expert slots but owns 2 experts"),
+        (["--system", "ultraep", "--set", "budget.slots=1"], "rank 0 has 1 expert slots but owns 2 experts"),
         (["--system", "laer", "--set", "budget.slots=1"], "assemble at most 2 experts at once"),
         (["--nproc", "4", "--ep-size", "2", "--set", "budget.memory_bytes=[4000000, 4000000, 4000000, 4000000]"],
          "expert-parallel group of 2 ranks: memory_bytes=[4000000, 4000000, 4000000, 4000000] is invalid"),

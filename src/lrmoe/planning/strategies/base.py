@@ -17,7 +17,7 @@ import torch
 from lrmoe.config import MoEConfig
 from lrmoe.planning.cost import CostModel
 from lrmoe.planning.figures import PlanFigures
-from lrmoe.planning.placement import Placement
+from lrmoe.planning.placement import Placement, replica_room
 
 if TYPE_CHECKING:  # the fitter calls strategies back; only its type is needed here
     from lrmoe.planning.cap_fit import CapFitter, Fit
@@ -65,10 +65,13 @@ class PlacementStrategy:
     memory cap, :meth:`fit_call`."""
 
     varies_copies = False  # under a cap it tries plans with fewer copies even without replica slots
+    replicas_beside_owned = False  # its slots hold every owned expert, replicas in what is left
 
     def __init__(self, inputs: StrategyInputs) -> None:
         self.inputs = inputs
         self.base = inputs.base
+        if self.replicas_beside_owned and inputs.default_slots_R is not None:  # fewer slots than owned: one error
+            replica_room(list(self.base.owned_counts), inputs.default_slots_R)
 
     # -------------------------------------------------------------- between steps
     def step_placement(self, current: Placement, load_E: torch.Tensor, slots_R: list[int]) -> Placement:

@@ -8,7 +8,7 @@ import torch
 
 from lrmoe.memory.bytes import expert_param_bytes
 from lrmoe.planning.cost import ADAM_STATES, CostModel
-from lrmoe.planning.placement import Placement, replica_room
+from lrmoe.planning.placement import Placement
 from lrmoe.planning.strategies.base import PlacementStrategy, predicted_rank_load, trim_replicas
 
 HORIZON = 10  # steps a re-placement is expected to last when weighing its cost
@@ -17,10 +17,10 @@ HORIZON = 10  # steps a re-placement is expected to last when weighing its cost
 class GreedyMigration(PlacementStrategy):
     """Between steps: :func:`flexmoe_replan` from the current placement trimmed to the slots."""
 
+    replicas_beside_owned = True
+
     def __init__(self, inputs) -> None:
         super().__init__(inputs)
-        if inputs.default_slots_R is not None:  # (as plan_replicas refuses them for symi and the others)
-            replica_room(list(self.base.owned_counts), inputs.default_slots_R)
         self.bound_optimizer_bytes = 0
 
     def step_placement(self, current: Placement, load_E: torch.Tensor, slots_R: list[int]) -> Placement:

@@ -13,6 +13,8 @@ from lrmoe.planning.strategies.base import PlacementStrategy
 class LoadReplicas(PlacementStrategy):
     """Copies ∝ load (D'Hondt), at least one per expert, LPT within the slots."""
 
+    replicas_beside_owned = True
+
     def step_placement(self, current: Placement, load_E: torch.Tensor, slots_R: list[int]) -> Placement:
         return plan_replicas(self.base, load_E, slots_R)
 

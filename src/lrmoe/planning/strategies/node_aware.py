@@ -16,6 +16,8 @@ from lrmoe.planning.strategies.base import PlacementStrategy
 class NodeAwareReplicas(PlacementStrategy):
     """Between steps: :func:`plan_replicas` given the rank → node map."""
 
+    replicas_beside_owned = True
+
     def step_placement(self, current: Placement, load_E: torch.Tensor, slots_R: list[int]) -> Placement:
         return plan_replicas(self.base, load_E, slots_R, self.inputs.node_of)
 

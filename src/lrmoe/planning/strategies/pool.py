@@ -17,6 +17,8 @@ WARMUP = 20  # without a given trace, this many calls' loads are recorded first
 class PlacementPool(PlacementStrategy):
     """Between steps: the pool entry for the smoothed load, trimmed to the slots."""
 
+    replicas_beside_owned = True
+
     def __init__(self, inputs: StrategyInputs) -> None:
         super().__init__(inputs)
         self._trace: list[torch.Tensor] = []  # without a given trace: its own first loads
