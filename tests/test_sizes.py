@@ -28,13 +28,15 @@ def test_relative_sizes_only_where_asked():
         parse_size("0.65x", "--memory-per-rank")
     with pytest.raises(SizeError, match="a fraction must be > 0"):
         parse_size("0x", "--memory-caps", relative=True)
+    with pytest.raises(SizeError, match="a size must be a finite number"):
+        parse_size("1e400x", "--memory-caps", relative=True)
 
 
 @pytest.mark.parametrize("text, needle", [
     ("40GB?", "expected a size such as"), ("-1GiB", "must be > 0"), ("-5", "must be > 0"), ("0", "must be > 0"),
     ("0MiB", "must be > 0"), ("0.4", "must be > 0"), ("abc", "expected a size"), ("40 GiB B", "expected a size"),
     ("1__000", "expected a size"), ("_1000", "expected a size"), ("70TB", "expected a size"), ("", "expected a size"),
-    (True, "expected a size")])
+    (True, "expected a size"), ("1e400", "a size must be a finite number"), ("1e400GiB", "finite")])
 def test_sizes_the_grammar_refuses(text, needle):
     with pytest.raises(SizeError, match="--memory-per-rank") as e:
         parse_bytes(text, "--memory-per-rank")

@@ -11,6 +11,7 @@ the flag or key, the text and the grammar.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ def parse_size(text: str | int | float, where: str, *, relative: bool = False,
         also = ", or a fraction such as 0.65x" if relative else ""
         raise SizeError(f"{where}={text!r} is invalid: expected a size such as {EXAMPLES}{also}")
     value = float(m.group(1) + (m.group(2) or ""))
+    if not math.isfinite(value):
+        raise SizeError(f"{where}={text!r} is invalid: a size must be a finite number")
     if unit == "x":
         if not value > 0:
             raise SizeError(f"{where}={text!r} is invalid: a fraction must be > 0")

@@ -106,3 +106,17 @@ def test_lrmoe_capacity_trims_within_the_forward_drop(pool):
 def test_lrmoe_capacity_refuses_a_global_selection():
     with pytest.raises(ValueError, match="local selection"):
         MoELayer(MoEConfig(**CFG), system="lrmoe-capacity", backward=BackwardConfig("sampled", ratio=0.5))
+
+
+def test_a_factor_past_the_expert_count_keeps_every_pair():
+    """``capacity@1e300`` overflowed the quota's conversion inside the ranks; a factor of E or
+    more drops nothing, whatever its size."""
+    from lrmoe.planning.planner import LayerPlanner
+    from lrmoe.systems import spec_of
+
+    counts_SE = torch.tensor([[30, 0, 2, 0, 0, 0, 0, 0], [10, 1, 0, 0, 0, 0, 0, 5]])
+    for factor in (8.0, 1e300):
+        planner = LayerPlanner(spec_of("capacity"), MoEConfig(**CFG), 2, capacity_factor=factor)
+        assert torch.equal(planner.forward_quota(counts_SE), counts_SE.sum(0))
+    planner = LayerPlanner(spec_of("capacity"), MoEConfig(**CFG), 2, capacity_factor=1.0)
+    assert planner.forward_quota(counts_SE).tolist() == [6, 1, 2, 0, 0, 0, 0, 5]  # ⌈48 / 8⌉ = 6

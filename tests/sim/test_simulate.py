@@ -465,6 +465,11 @@ def test_bad_later_floors_are_refused(late_floors, objective):
         _small(backward=BackwardConfig(objective=objective), warm_share=0.2, late_floors=late_floors)
 
 
+def test_an_infinite_network_budget_is_refused():
+    with pytest.raises(SimError, match="network-budget=inf"):
+        _small(network_budget=float("inf"))
+
+
 @pytest.mark.parametrize("share", [-0.1, 1.0, True])
 def test_a_bad_warm_share_is_refused(share):
     with pytest.raises(SimError, match="warm-share"):

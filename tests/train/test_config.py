@@ -4,6 +4,8 @@ arguments; topoep's topology; unknown keys rejected."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -83,6 +85,15 @@ def test_a_forced_keep_mode_under_a_cap_is_refused_before_launch():
         with pytest.raises(ConfigError, match=r"backward.keep='x\+gate_up' with a memory cap is invalid"):
             from_dict({"backward": {"keep": "x+gate_up"}, "budget": budget})
     assert from_dict({"backward": {"keep": "x+gate_up"}}).backward.keep == "x+gate_up"
+
+
+@pytest.mark.parametrize("table, needle", [
+    ({"target_loss": float("nan")}, "compare.target_loss=nan"), ({"target_loss": 0.0}, "compare.target_loss=0.0"),
+    ({"target_loss": float("inf")}, "compare.target_loss=inf"), ({"budget_factor": float("inf")}, "budget_factor=inf"),
+    ({"seeds": [2**63]}, "compare.seeds")])
+def test_compare_values_that_would_fail_after_the_runs_are_refused_first(table, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        from_dict({"compare": table})
 
 
 def test_unknown_keys_are_rejected():

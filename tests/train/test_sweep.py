@@ -30,6 +30,10 @@ def test_parse_cap_rejects(text):
         sweep.parse_caps(text)
 
 
+def test_a_tiny_fraction_of_the_peak_is_a_cap_of_one_byte_not_none():
+    assert sweep.cap_bytes("1e-12x", REFERENCE_PEAK) == 1 and sweep.cap_bytes("0.5x", REFERENCE_PEAK) == 500
+
+
 def fake_launch(calls: list):
     """A launcher that writes a run: the reference evaluates 3, 2, 1 at steps 1-3; a system under
     a cap below the reference's peak runs out of memory at step 2 if it is ``static``, reaches
@@ -146,7 +150,7 @@ def test_seed_entry_mean_and_spread():
     assert one["steps_to_target_mean"] == 480 and one["steps_to_target_std"] is None, "no spread from one seed"
 
 
-@pytest.mark.parametrize("text", ["", "a,b", "0,0", "-1", "1,,x"])
+@pytest.mark.parametrize("text", ["", "a,b", "0,0", "-1", "1,,x", "99999999999999999999"])
 def test_parse_seeds_rejects(text):
     with pytest.raises(ConfigError, match="--seeds"):
         sweep.parse_seeds(text)

@@ -180,11 +180,11 @@ class LayerPlanner:
 
     # ---------------------------------------------------------------- per call
     def forward_quota(self, counts_SE: torch.Tensor) -> torch.Tensor | None:
-        """Capacity factor (GShard/Switch): each expert computes at most ceil(C · pairs / E)
-        pairs, the rest dropped in both passes; None for systems with a complete forward."""
+        """Capacity factor (GShard/Switch): each expert keeps ⌈C · pairs / E⌉ pairs at most (None: no drop)."""
         if not self.spec.forward_drop:
             return None
-        capacity = math.ceil(self.capacity_factor * int(counts_SE.sum()) / self.config.num_experts)
+        E = self.config.num_experts  # (a factor past E keeps every pair already: no quota above the pairs)
+        capacity = math.ceil(min(self.capacity_factor, E) * int(counts_SE.sum()) / E)
         return torch.clamp(counts_SE.sum(0), max=capacity)
 
     def assign(self, counts_SE: torch.Tensor, placement: Placement,

@@ -4,6 +4,7 @@ checked as a user would type them), its check of the caps, and the routing count
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -97,7 +98,7 @@ class SimConfig:
             raise SimError(f"--late-floor={self.late_floors!r} is invalid: expected SHARE:FLOOR pairs with "
                            f"shares increasing in (--warm-share, 1), floors in (0, 1], and --objective time "
                            f"(a floor bounds the time objective's trimming)")
-        if self.network_budget is not None and not (self.network_budget > 0):
+        if self.network_budget is not None and not (math.isfinite(self.network_budget) and self.network_budget > 0):
             raise SimError(f"--network-budget={self.network_budget!r} is invalid: expected a number > 0 "
                            f"(0 on the command line: none)")
 

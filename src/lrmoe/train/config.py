@@ -12,6 +12,7 @@ take the checkpoint defaults (:mod:`lrmoe.train.hf_defaults`).
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -126,10 +127,10 @@ class CompareConfig:
     def __post_init__(self) -> None:
         require_int("compare.dense_eval_every", self.dense_eval_every, 0)
         seeds = self.seeds
-        if not isinstance(seeds, tuple) or not all(is_int_at_least(v, 0) for v in seeds) \
+        if not isinstance(seeds, tuple) or not all(is_int_at_least(v, 0) and v < 2**63 for v in seeds) \
                 or len(set(seeds)) != len(seeds):
             shown = list(seeds) if isinstance(seeds, tuple) else seeds
-            raise ConfigError(f"compare.seeds={shown!r} is invalid: expected distinct integers >= 0")
+            raise ConfigError(f"compare.seeds={shown!r} is invalid: expected distinct integers from 0 to 2**63 - 1")
         for s in (*self.systems, self.reference):
             try:
                 parse_system_name(s)
@@ -140,8 +141,12 @@ class CompareConfig:
         if self.strict_fraction and not self.target_fraction < self.strict_fraction <= 1:
             raise ConfigError(f"compare.strict_fraction={self.strict_fraction} is invalid: expected 0 (no strict "
                               f"target) or in (target_fraction={self.target_fraction}, 1]")
-        if not self.budget_factor >= 1:
-            raise ConfigError(f"compare.budget_factor={self.budget_factor} is invalid: expected >= 1")
+        if not 1 <= self.budget_factor <= 100:
+            raise ConfigError(f"compare.budget_factor={self.budget_factor} is invalid: expected 1 to 100 (times the "
+                              "reference's steps)")
+        if self.target_loss is not None and not (math.isfinite(self.target_loss) and self.target_loss > 0):
+            raise ConfigError(f"compare.target_loss={self.target_loss} is invalid: expected a finite loss > 0 (or "
+                              "none: the reference's loss at target_fraction)")
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def parse_caps(text: str) -> list[str]:
 
 def cap_bytes(entry: str, reference_peak: int) -> int:
     kind, value = parse_cap(entry)
-    return int(value * reference_peak) if kind == "fraction" else int(value)
+    return max(int(value * reference_peak), 1) if kind == "fraction" else int(value)  # (0 bytes: no cap at all)
 
 
 def _with_cap(cfg: RunConfig, cap: int) -> RunConfig:
@@ -204,8 +204,9 @@ def parse_seeds(text: str) -> tuple[int, ...]:
         seeds = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         seeds = ()
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise ConfigError(f"--seeds={text!r} is invalid: expected distinct integers >= 0, comma-separated (0,1,2)")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 2**63:
+        raise ConfigError(f"--seeds={text!r} is invalid: expected distinct integers from 0 to 2**63 - 1, "
+                          "comma-separated (0,1,2)")
     return seeds
 
 
