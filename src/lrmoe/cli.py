@@ -184,6 +184,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
     cfg = _resolve(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else cfg.compare.seeds
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
+    if len(set(systems)) != len(systems):
+        raise ConfigError(f"--systems={args.systems!r} is invalid: a system listed twice would run twice into one "
+                          "folder")
     for name in systems:  # what each system's layers would refuse, before any run starts
         check_layers(system_config(cfg, name))
     out = Path(args.out or "runs/compare")

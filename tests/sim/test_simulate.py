@@ -198,6 +198,15 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, needle):
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_an_out_that_is_a_file_is_refused_before_the_simulation(tmp_path, capsys, monkeypatch):
+    (tmp_path / "o").write_text("")
+    monkeypatch.setattr("lrmoe.sim.run.project", lambda *a, **k: pytest.fail("simulated before checking --out"))
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "80", "--quiet",
+              "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
+
+
 def test_bad_trace_content(tmp_path):
     p = tmp_path / "bad.npz"
     np.savez_compressed(p, counts=np.zeros((2, 1, 4), np.float32))

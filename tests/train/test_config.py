@@ -90,7 +90,7 @@ def test_a_forced_keep_mode_under_a_cap_is_refused_before_launch():
 @pytest.mark.parametrize("table, needle", [
     ({"target_loss": float("nan")}, "compare.target_loss=nan"), ({"target_loss": 0.0}, "compare.target_loss=0.0"),
     ({"target_loss": float("inf")}, "compare.target_loss=inf"), ({"budget_factor": float("inf")}, "budget_factor=inf"),
-    ({"seeds": [2**63]}, "compare.seeds")])
+    ({"seeds": [2**63]}, "compare.seeds"), ({"systems": ["static", "static"]}, "listed twice")])
 def test_compare_values_that_would_fail_after_the_runs_are_refused_first(table, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         from_dict({"compare": table})

@@ -24,7 +24,7 @@ def test_parse_cap(text, want):
     assert sweep.parse_cap(text) == want
 
 
-@pytest.mark.parametrize("text", ["abc", "70TB", "-1x", "0x", "0.5", ",", "1e2e3"])
+@pytest.mark.parametrize("text", ["abc", "70TB", "-1x", "0x", "0.5", ",", "1e2e3", "0.9x,0.9x"])
 def test_parse_cap_rejects(text):
     with pytest.raises(ConfigError, match="--memory-caps"):
         sweep.parse_caps(text)

@@ -60,6 +60,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                           warm_share=args.warm_share, late_floors=_share_floors(args.late_floor),
                           planning=args.planning) for m in models]
         out = Path(args.out)
+        if out.exists() and not out.is_dir():  # (before the simulation, not after it)
+            raise SimError(f"--out {out} is a file, not a folder")
         project(cfgs, out, progress=not args.quiet)
     except (SimError, ValueError) as e:
         print(f"lrmoe: {e}", file=sys.stderr)

@@ -131,6 +131,9 @@ class CompareConfig:
                 or len(set(seeds)) != len(seeds):
             shown = list(seeds) if isinstance(seeds, tuple) else seeds
             raise ConfigError(f"compare.seeds={shown!r} is invalid: expected distinct integers from 0 to 2**63 - 1")
+        if len(set(self.systems)) != len(self.systems):
+            raise ConfigError(f"compare.systems={list(self.systems)!r} is invalid: a system listed twice would run "
+                              "twice into one folder")
         for s in (*self.systems, self.reference):
             try:
                 parse_system_name(s)

@@ -58,8 +58,8 @@ def parse_cap(text: str) -> tuple[str, float]:
 def parse_caps(text: str) -> list[str]:
     """The comma-separated entries, each checked (:func:`parse_cap`); at least one."""
     caps = [c.strip() for c in text.split(",") if c.strip()]
-    if not caps:
-        raise ConfigError(f"--memory-caps={text!r} is invalid: expected a comma-separated list of caps")
+    if not caps or len(set(caps)) != len(caps):
+        raise ConfigError(f"--memory-caps={text!r} is invalid: expected a comma-separated list of distinct caps")
     for c in caps:
         parse_cap(c)
     return caps
