@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lrmoe.train.report import Outcome, figures, legend_label, line_styles, outcome, plots, rolling_mean
+from lrmoe.train.report import Outcome, figures, legend_label, line_styles, outcome, plots, report, rolling_mean
 
 FIGURES = ("val_loss_vs_moe_time.png", "kept_ratio.png", "expert_load.png")
 TARGET = 4.5
@@ -119,3 +119,9 @@ def test_plots_width_bounded_for_many_systems(tmp_path, n):
         width, height = png_inches(tmp_path / f)
         assert width <= 20.5, (f, width)
         assert height <= 24, (f, height)
+
+
+def test_the_target_is_placed_against_the_unigram_loss_on_the_right_side(tmp_path):
+    doc = {"target_loss": 6.0, "unigram_loss": 5.0, "details": {}}
+    assert "the target is 20.0% above it" in report(tmp_path, doc)
+    assert "the target is 20.0% below it" in report(tmp_path, {**doc, "target_loss": 4.0})

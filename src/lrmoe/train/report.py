@@ -47,10 +47,11 @@ def report(out: Path, doc: dict) -> str:
     the :func:`breakdown` against the replicated baseline (when it reached the target), and the
     same for the strict target where there is one; return its text for the terminal."""
     target, unigram = doc["target_loss"], doc["unigram_loss"]
+    gap = 100 * (1 - target / unigram)  # (a short run's target can lie above the unigram loss)
     lines = [
         "# lrmoe compare", "",
         f"Target validation loss: **{target:.4f}** (unigram loss of the corpus: {unigram:.4f}; "
-        f"the target is {100 * (1 - target / unigram):.1f}% below it).", "",
+        f"the target is {abs(gap):.1f}% {'below' if gap >= 0 else 'above'} it).", "",
         "Steps to target: the first evaluation at or below the target; *crossed in*: the interval between "
         "it and the evaluation before it (the resolution of the measurement); *interpolated*: where the "
         "straight line between those two evaluations meets the target, an estimate.", "",
