@@ -176,7 +176,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     with ``--memory-caps`` at each cap by :func:`run_sweep`, with ``--seeds`` once per seed
     (:func:`run_seeds`; both: :func:`run_seed_sweeps`)."""
     from lrmoe.train.build import check_layers
-    from lrmoe.train.compare import run_compare, system_config
+    from lrmoe.train.compare import run_compare, system_config, target_steps
     from lrmoe.train.sweep import parse_caps, parse_seeds, run_seeds, run_sweep
     from lrmoe.train.sweep_seeds import run_seed_sweeps
 
@@ -189,6 +189,11 @@ def cmd_compare(args: argparse.Namespace) -> None:
                           "folder")
     for name in systems:  # what each system's layers would refuse, before any run starts
         check_layers(system_config(cfg, name))
+    standard, *strict = target_steps(cfg)
+    if strict and strict[0] <= standard:
+        raise ConfigError(f"compare.strict_fraction={cfg.compare.strict_fraction} gives the reference's step "
+                          f"{strict[0]} of train.steps={cfg.train.steps}, not after the standard target's "
+                          f"({standard}): more steps or a later fraction")
     out = Path(args.out or "runs/compare")
     check_out(out, args.resume, args.overwrite)
     if seeds and caps is not None:

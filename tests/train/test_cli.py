@@ -269,6 +269,8 @@ def test_what_the_ranks_layers_would_refuse_is_one_line_before_launch(tmp_path):
     ]:
         assert needle in one_line_error(run_main("train", "--config", cfg, *args)), args
     assert "listed twice" in one_line_error(run_main("compare", "--config", cfg, "--systems", "static,lrmoe,lrmoe"))
+    assert "not after the standard target's" in one_line_error(run_main(
+        "compare", "--config", cfg, "--steps", "2", "--set", "compare.strict_fraction=0.9"))
     assert "train.system='symi'" in one_line_error(run_main("compare", "--config", cfg, "--systems", "static,symi",
                                                             "--set", "budget.slots=1"))
     small = run_main("train", "--config", cfg, "--set", "budget.memory_bytes=1000", "--out", str(tmp_path / "oom"))
