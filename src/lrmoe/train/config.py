@@ -17,14 +17,12 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-import torch
-
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
 from lrmoe.models import ModelConfig
 from lrmoe.sizes import SizeError, parse_bytes
 from lrmoe.systems import COMPARE_DEFAULT, DEFAULT_SYSTEM, REFERENCE_SYSTEM, SYSTEMS, SystemName, names_where, spec_of
 from lrmoe.systems import parse_system_name as _parse_system_name
-from lrmoe.train.config_checks import ConfigError, require_int, require_number
+from lrmoe.train.config_checks import ConfigError, check_tables, require_int, require_number
 from lrmoe.train.data import DEFAULT_CORPUS
 from lrmoe.train.hf_defaults import fill_hf_defaults
 from lrmoe.validation import is_int_at_least
@@ -164,30 +162,8 @@ class RunConfig:
     memory_per_rank: int | None = None
 
     def __post_init__(self) -> None:
-        if self.memory_per_rank is not None:
-            require_int("budget.memory_per_rank", self.memory_per_rank, 1)
-            if self.budget is not None and self.budget.memory_bytes is not None:
-                raise ConfigError("[budget] memory_per_rank and memory_bytes exclude each other: memory_per_rank "
-                                  "is the whole rank's memory, from which lrmoe derives memory_bytes (each MoE "
-                                  "layer's expert side)")
-        capped = self.memory_per_rank is not None or (self.budget is not None and self.budget.memory_bytes)
-        if self.backward.keep is not None and capped:
-            raise ConfigError(f"backward.keep={self.backward.keep!r} with a memory cap is invalid: the cap chooses "
-                              "what is kept (backward.keep forces a keep mode in runs without one)")
-        if not self.train.hf_model and self.model.first_dense_layers >= self.model.n_layers:
-            raise ConfigError(f"model.first_dense_layers={self.model.first_dense_layers} is invalid for training: it "
-                              f"leaves no MoE layer of model.n_layers={self.model.n_layers}")
-        if not self.train.hf_model and self.model.moe.torch_dtype != torch.float32:
-            raise ConfigError(f"model.moe.dtype={self.model.moe.dtype!r} is invalid for training: lrmoe trains in "
-                              "float32 (a transformers checkpoint is loaded in float32 too) and has no mixed "
-                              "precision yet; MoELayer and lrmoe simulate take bfloat16")
-        if spec_of(self.train.system).needs_topology and (self.budget is None or self.budget.ranks_per_node is None):
-            raise ConfigError(f"train.system={self.train.system!r} needs the topology: [budget] ranks_per_node = ...")
-        if self.backward.layer_floors and not self.train.hf_model:  # a checkpoint's count is known once loaded
-            try:
-                self.backward.for_layer(0, self.model.n_layers - self.model.first_dense_layers)
-            except ValueError as e:
-                raise ConfigError(f"[backward] {e}") from None
+        check_tables(self.model, self.train.system, self.train.hf_model, self.backward, self.budget,
+                     self.memory_per_rank)
 
     def with_train(self, **overrides) -> RunConfig:
         """A copy with ``[train]`` fields replaced (CLI flags, compare's per-system runs), validated again."""
