@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from lrmoe.sim.cli import add_simulate_parser
@@ -184,9 +185,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     cfg = _resolve(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else cfg.compare.seeds
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else cfg.compare.systems
-    if len(set(systems)) != len(systems):
-        raise ConfigError(f"--systems={args.systems!r} is invalid: a system listed twice would run twice into one "
-                          "folder")
+    replace(cfg.compare, systems=systems)  # --systems checked as compare.systems is (each name, none twice)
     for name in systems:  # what each system's layers would refuse, before any run starts
         check_layers(system_config(cfg, name))
     standard, *strict = target_steps(cfg)

@@ -113,9 +113,10 @@ def test_static_keeps_x_alone_below_its_peak_then_rounds_and_raises_below_a_one_
 
 
 def test_laer_with_too_few_fixed_slots_is_a_slot_error_not_a_memory_one():
-    planner = LayerPlanner(spec_of("laer"), MoEConfig(**CFG), 2, budget=ClusterBudget(memory_bytes=10**9, slots=1))
-    with pytest.raises(ValueError, match="can assemble only 2") as err:
-        planner.plan_call(_counts_SE(2))
+    """At the layer's construction (the launcher builds it too), not at the first call whose
+    experts with pairs outnumber the slots."""
+    with pytest.raises(ValueError, match="assemble at most 2 experts at once") as err:
+        LayerPlanner(spec_of("laer"), MoEConfig(**CFG), 2, budget=ClusterBudget(memory_bytes=10**9, slots=1))
     assert not isinstance(err.value, MemoryBudgetExceeded)
 
 

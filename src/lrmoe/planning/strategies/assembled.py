@@ -14,6 +14,13 @@ from lrmoe.planning.strategies.base import PlacementStrategy
 class AssembledLayout(PlacementStrategy):
     """Per call: :func:`laer_layout` within the ranks' assembly slots."""
 
+    def __init__(self, inputs) -> None:
+        super().__init__(inputs)
+        E, slots = inputs.config.num_experts, inputs.default_slots_R
+        if slots is not None and sum(slots) < E:  # (else the first call routing to every expert fails)
+            raise ValueError(f"its ranks assemble at most {sum(slots)} experts at once (budget.slots), fewer than "
+                             f"the {E} a call may route to")
+
     def call_placement(self, counts_SE: torch.Tensor, slots_R: list[int]) -> Placement:
         return laer_layout(counts_SE.sum(0), self.base, slots_R)
 
