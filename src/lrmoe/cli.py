@@ -2,16 +2,18 @@
 
     lrmoe train    (--config FILE | --hf-model DIR) [--system NAME] [--set SECTION.KEY=VALUE ...] [--nproc N]
                    [--ep-size E] [--steps N] [--data PATH] [--memory-per-rank SIZE] [--out DIR]
-                   [--resume | --overwrite] [--max-restarts R] [RENDEZVOUS]
+                   [--resume | --overwrite] [--max-restarts R] [RENDEZVOUS | CLUSTER]
     lrmoe compare  (--config FILE | --hf-model DIR) [--systems a,b,c] [--set SECTION.KEY=VALUE ...] [--nproc N]
                    [--ep-size E] [--steps N] [--data PATH] [--memory-per-rank SIZE | --memory-caps A,B,C]
-                   [--out DIR] [--resume | --overwrite] [--seeds S,T,U] [RENDEZVOUS]
+                   [--out DIR] [--resume | --overwrite] [--seeds S,T,U] [RENDEZVOUS | CLUSTER]
     lrmoe simulate --model NAME --gpus N --gpu-memory SIZE[,SIZE...] --out DIR [options]
 
     SIZE: 40GiB, 66.8MiB, 70MB, 1_000_000 (bytes); --gpu-memory's bare numbers are GiB (lrmoe.sizes)
 
     RENDEZVOUS: --nnodes N --node-rank R (--rdzv-endpoint HOST:PORT [--rdzv-id ID] [--rdzv-backend B]
                 | --master-addr HOST [--master-port P]); none: one machine (torchrun --standalone)
+    CLUSTER:    --emulate-nodes N [--link-gbps G|paper] [--link-latency-us U]: the ranks on N nodes
+                emulated on this machine (network namespaces joined by shaped links; root on Linux)
 
 Ranks are launched through ``torch.distributed.run`` (gloo on CPU, NCCL on CUDA), on one machine
 or, with the rendezvous options, on several (docs/training.md "Several machines"). A user error
@@ -27,6 +29,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from lrmoe.emulation.budgets import describe as describe_cluster
+from lrmoe.emulation.budgets import resolve_cluster
+from lrmoe.emulation.config import parse_link_gbps
 from lrmoe.sim.cli import add_simulate_parser
 from lrmoe.sizes import SizeError, parse_bytes
 from lrmoe.systems import (
@@ -70,6 +75,15 @@ def _common(ap: argparse.ArgumentParser) -> None:
                          "e.g. 40GiB or 32MiB; each MoE layer's expert-side budget (budget.memory_bytes) is derived "
                          "from it and the split printed before launch (overrides budget.memory_per_rank)")
     ap.add_argument("--overwrite", action="store_true", help="replace the earlier outputs in a used --out")
+    em = ap.add_argument_group("emulated cluster (docs/training.md \"An emulated cluster\"; root on Linux)")
+    em.add_argument("--emulate-nodes", type=int, metavar="N",
+                    help="run the ranks on N emulated nodes of this machine, nproc / N each: network namespaces "
+                         "joined by shaped links (overrides cluster.emulate_nodes)")
+    em.add_argument("--link-gbps", metavar="G", help="each node's link in Gbit/s each way, or 'paper': the link at "
+                                                     "which the dispatch takes the paper's 2.6x the forward expert "
+                                                     "GEMMs (overrides cluster.link_gbps; none: unshaped)")
+    em.add_argument("--link-latency-us", type=float, metavar="U",
+                    help="added one-way latency between nodes, µs (overrides cluster.link_latency_us)")
     rz = ap.add_argument_group("rendezvous (torchrun's; none of them: one machine, torchrun --standalone)")
     rz.add_argument("--nnodes", type=int, default=1,
                     help="machines the run spans; each starts nproc / nnodes ranks (--nproc counts the whole run)")
@@ -113,6 +127,10 @@ def _load(args: argparse.Namespace) -> tuple[RunConfig, dict[str, object]]:
         budget.pop("memory_bytes", None)
         budget["memory_per_rank"] = parse_bytes(per_rank, "--memory-per-rank")
     raw = apply_sets(raw, sets)
+    for key, value in (("emulate_nodes", args.emulate_nodes), ("link_latency_us", args.link_latency_us),
+                       ("link_gbps", None if args.link_gbps is None else parse_link_gbps(args.link_gbps))):
+        if value is not None:
+            raw.setdefault("cluster", {})[key] = value
     filled = fill_hf_defaults(raw)
     return from_dict(raw), filled
 
@@ -157,7 +175,15 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
         print(describe_choices(cfg.train.hf_model, filled, vars(cfg.train), cfg.model.seq_len, bool(args.config)),
               flush=True)
     where = "--memory-per-rank" if getattr(args, "memory_per_rank", None) is not None else "budget.memory_per_rank"
-    return with_memory_per_rank(cfg, where)  # a cap too small for the smallest plan stops here
+    cfg = with_memory_per_rank(cfg, where)  # a cap too small for the smallest plan stops here
+    if cfg.cluster.emulated:
+        if not current_rendezvous().standalone:
+            raise ConfigError("--emulate-nodes and the rendezvous flags exclude each other: an emulated cluster is "
+                              "one machine's, its nodes meet at a rendezvous of their own")
+        asked = cfg.cluster.link_gbps
+        cfg = resolve_cluster(cfg)
+        print(describe_cluster(cfg, asked), flush=True)
+    return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     add_simulate_parser(sub)
     args = ap.parse_args(argv)
     try:
-        for name, least in (("nproc", 1), ("ep_size", 0), ("steps", 1), ("max_restarts", 0)):
+        for name, least in (("nproc", 1), ("ep_size", 0), ("steps", 1), ("max_restarts", 0), ("emulate_nodes", 1)):
             if getattr(args, name, None) is not None:
                 require_int(f"--{name.replace('_', '-')}", getattr(args, name), least)
         if args.command in ("train", "compare"):

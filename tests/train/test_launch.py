@@ -68,7 +68,8 @@ def test_launch_passes_rendezvous_and_restart_checkpoints(tmp_path, monkeypatch,
 
     seen = {}
 
-    def fake_run(cmd, env, error_path):
+    def fake_run(commands, env, error_path, cluster=None):
+        (cmd,) = commands
         seen["cmd"] = cmd
         seen["cfg"] = load(cmd[cmd.index("--config") + 1])
         (Path(cmd[cmd.index("--out") + 1]) / "summary.json").write_text("{}")

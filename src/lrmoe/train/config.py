@@ -6,7 +6,8 @@ A config has four tables: ``[model]`` (a preset plus overrides, with a nested ``
 plus ``memory_per_rank``: a whole rank's memory, from which the launcher derives
 ``memory_bytes``, :mod:`lrmoe.train.memory_split`). With ``train.hf_model`` the keys left out
 take the checkpoint defaults (:mod:`lrmoe.train.hf_defaults`).
-``[compare]`` configures ``lrmoe compare``. The resolved config is written next to the results
+``[compare]`` configures ``lrmoe compare``; ``[cluster]`` puts the ranks on emulated nodes
+(:mod:`lrmoe.emulation`). The resolved config is written next to the results
 (``config.toml``, :mod:`lrmoe.train.toml_dump`) so a run can be repeated exactly.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from lrmoe.config import BackwardConfig, ClusterBudget, MoEConfig
+from lrmoe.emulation.config import ClusterConfig
 from lrmoe.models import ModelConfig
 from lrmoe.sizes import SizeError, parse_bytes
 from lrmoe.systems import COMPARE_DEFAULT, DEFAULT_SYSTEM, REFERENCE_SYSTEM, SYSTEMS, SystemName, names_where, spec_of
@@ -160,10 +162,11 @@ class RunConfig:
     # [budget] memory_per_rank: a rank's whole memory (bytes); the launcher turns it into
     # budget.memory_bytes (lrmoe.train.memory_split), so a resolved config has only the latter
     memory_per_rank: int | None = None
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         check_tables(self.model, self.train.system, self.train.hf_model, self.backward, self.budget,
-                     self.memory_per_rank)
+                     self.memory_per_rank, self.cluster.emulated)
 
     def with_train(self, **overrides) -> RunConfig:
         """A copy with ``[train]`` fields replaced (CLI flags, compare's per-system runs), validated again."""
@@ -177,6 +180,8 @@ class RunConfig:
         model = {k: model[k] for k in HF_MODEL_KEYS} if self.train.hf_model else {**model, "moe": moe}
         out = {"model": model, "train": asdict(self.train), "backward": asdict(self.backward),
                "compare": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.compare).items()}}
+        if self.cluster.emulated:
+            out["cluster"] = {k: v for k, v in asdict(self.cluster).items() if v is not None}
         if self.budget is not None:
             out["budget"] = asdict(self.budget)
         if self.memory_per_rank is not None:
@@ -204,9 +209,10 @@ def _table(raw: dict, name: str, cls, **extra):
 
 def from_dict(raw: dict) -> RunConfig:
     """A validated config from parsed TOML tables; every problem is a ConfigError naming its table."""
-    unknown = set(raw) - {"model", "train", "backward", "budget", "compare"}
+    unknown = set(raw) - {"model", "train", "backward", "budget", "compare", "cluster"}
     if unknown:
-        raise ConfigError(f"unknown tables {sorted(unknown)}: expected model, train, backward, budget, compare")
+        raise ConfigError(f"unknown tables {sorted(unknown)}: expected model, train, backward, budget, compare, "
+                          "cluster")
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # filled below, not the caller's
     fill_hf_defaults(raw)
     try:
@@ -227,13 +233,13 @@ def from_dict(raw: dict) -> RunConfig:
         raise ConfigError(f"[model] {shaped} cannot be set with train.hf_model={hf_model!r}: the checkpoint's "
                           f"config.json fixes the model; [model] takes only {sorted(HF_MODEL_KEYS)} there")
     return RunConfig(model, _table(raw, "train", TrainConfig), _table(raw, "backward", BackwardConfig), budget,
-                     _table(raw, "compare", CompareConfig), per_rank)
+                     _table(raw, "compare", CompareConfig), per_rank, _table(raw, "cluster", ClusterConfig))
 
 
 def _keys_of(path: list[str]) -> set[str] | None:
     """The keys the table at ``path`` takes (None: not a table of the config)."""
     tables = {("train",): TrainConfig, ("backward",): BackwardConfig, ("budget",): ClusterBudget,
-              ("compare",): CompareConfig, ("model", "moe"): MoEConfig}
+              ("compare",): CompareConfig, ("model", "moe"): MoEConfig, ("cluster",): ClusterConfig}
     if tuple(path) == ("model",):
         return {f.name for f in fields(ModelConfig)} | {"preset"}
     if tuple(path) == ("budget",):
@@ -256,7 +262,7 @@ def apply_sets(raw: dict, sets: list[str] | tuple[str, ...]) -> dict:
         known = _keys_of(table_path)
         if known is None:
             raise ConfigError(f"--set {item!r}: no table [{'.'.join(table_path)}]: expected train, backward, "
-                              f"budget, compare, model or model.moe")
+                              f"budget, compare, cluster, model or model.moe")
         if name not in known or (table_path == ["model"] and name == "moe"):
             raise ConfigError(f"--set {item!r}: unknown key {name!r} in [{'.'.join(table_path)}]: "
                               f"expected one of {sorted(known - {'moe'})}")

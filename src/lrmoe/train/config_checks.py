@@ -36,11 +36,12 @@ def require_number(where: str, v: object, least: float, strict: bool) -> None:
 
 
 def check_tables(model: ModelConfig, system: str, hf_model: str, backward: BackwardConfig,
-                 budget: ClusterBudget | None, memory_per_rank: int | None) -> None:
+                 budget: ClusterBudget | None, memory_per_rank: int | None, emulated: bool = False) -> None:
     """A ConfigError for what the run's tables allow one by one but not together (``system`` and
     ``hf_model``: ``[train]``'s): the memory given twice, a forced keep mode under a cap, a
     built-in model training cannot take (no MoE layer, or an expert dtype other than float32), a
-    system without its topology, per-layer floors that do not match the MoE layers."""
+    system without its topology (which emulated nodes give, ``emulated``), per-layer floors that do
+    not match the MoE layers."""
     if memory_per_rank is not None:
         require_int("budget.memory_per_rank", memory_per_rank, 1)
         if budget is not None and budget.memory_bytes is not None:
@@ -57,8 +58,9 @@ def check_tables(model: ModelConfig, system: str, hf_model: str, backward: Backw
         raise ConfigError(f"model.moe.dtype={model.moe.dtype!r} is invalid for training: lrmoe trains in "
                           "float32 (a transformers checkpoint is loaded in float32 too) and has no mixed "
                           "precision yet; MoELayer and lrmoe simulate take bfloat16")
-    if spec_of(system).needs_topology and (budget is None or budget.ranks_per_node is None):
-        raise ConfigError(f"train.system={system!r} needs the topology: [budget] ranks_per_node = ...")
+    if spec_of(system).needs_topology and (budget is None or budget.ranks_per_node is None) and not emulated:
+        raise ConfigError(f"train.system={system!r} needs the topology: [budget] ranks_per_node = ... (or "
+                          "--emulate-nodes N)")
     if backward.layer_floors and not hf_model:  # a checkpoint's count is known once loaded
         try:
             backward.for_layer(0, model.n_layers - model.first_dense_layers)

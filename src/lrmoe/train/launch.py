@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from lrmoe.emulation.budgets import resolve_cluster
+from lrmoe.emulation.namespaces import EmulatedCluster, emulated_cluster
 from lrmoe.train.config import ConfigError, RunConfig, with_restart_checkpoints
 from lrmoe.train.data import TokenData, check_fits
 from lrmoe.train.rendezvous import Rendezvous, current_rendezvous
@@ -120,52 +122,72 @@ def check_out(out: Path, resume: bool, overwrite: bool) -> None:
         clear_outputs(out)
 
 
-def _run_ranks(cmd: list[str], env: dict, error_path: Path) -> int:
-    """Run torchrun, passing its stderr through as it comes; once a rank has reported a user
-    error, stop the run and swallow the rest (torchrun's report of the failed ranks)."""
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+def _run_ranks(commands: list[list[str]], env: dict, error_path: Path, cluster: EmulatedCluster | None = None) -> int:
+    """Run torchrun (one command, or one per emulated node of ``cluster``), passing its stderr
+    through as it comes; once a rank has reported a user error, stop the run and swallow the
+    rest (torchrun's report of the failed ranks). Returns the first failing exit status, or 0."""
+    if cluster is not None:
+        procs = cluster.start(commands, env, stderr=subprocess.PIPE)
+    else:
+        procs = [subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE) for cmd in commands]
     swallow = threading.Event()
 
-    def forward() -> None:
+    def forward(proc: subprocess.Popen) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while chunk := os.read(proc.stderr.fileno(), 65536):
             if not swallow.is_set():
                 sys.stderr.write(decoder.decode(chunk))
                 sys.stderr.flush()
 
-    thread = threading.Thread(target=forward, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=forward, args=(p,), daemon=True) for p in procs]
+    for t in threads:
+        t.start()
     try:
-        while proc.poll() is None:
+        while any(p.poll() is None for p in procs):
             if error_path.exists():
                 swallow.set()
-                try:  # torchrun stops the other ranks itself once one has exited with an error
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                _stop(procs, grace=10)  # torchrun stops the other ranks itself once one has exited with an error
+                break
+            if any(p.returncode for p in procs):  # a node whose ranks failed: the others wait in vain
+                _stop(procs, grace=30)
                 break
             time.sleep(0.1)
-        proc.wait()
+        for p in procs:
+            p.wait()
     except BaseException:
-        proc.terminate()
-        proc.wait()
+        _stop(procs, grace=0)
         raise
     finally:
-        thread.join(timeout=5)
-    return proc.returncode
+        for t in threads:
+            t.join(timeout=5)
+    return next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    """Give ``procs`` ``grace`` seconds to end, then terminate them, then kill them."""
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def torchrun_command(cfg: RunConfig, worker_args: list[str], max_restarts: int = 0,
-                     rendezvous: Rendezvous | None = None) -> list[str]:
+                     rendezvous: Rendezvous | None = None, rendezvous_args: list[str] | None = None) -> list[str]:
     """The torchrun command line of one run: the rendezvous (:mod:`lrmoe.train.rendezvous`;
-    ``--standalone`` by default), ``cfg.train.nproc`` ranks in all, then the worker's arguments."""
-    rendezvous = rendezvous or current_rendezvous()
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(cfg.train.nproc),
-            f"--max-restarts={max_restarts}", "-m", "lrmoe.train.worker", *worker_args]
+    ``--standalone`` by default; or ``rendezvous_args`` as they are: an emulated node's),
+    ``cfg.train.nproc`` ranks in all, then the worker's arguments."""
+    if rendezvous_args is None:
+        rendezvous_args = (rendezvous or current_rendezvous()).torchrun_args(cfg.train.nproc)
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args, f"--max-restarts={max_restarts}",
+            "-m", "lrmoe.train.worker", *worker_args]
 
 
 def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | None = None,
@@ -178,7 +200,7 @@ def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | Non
     ``train.eval_every`` steps. A user error in a rank raises :class:`RankError`."""
     out = Path(out)
     rendezvous = rendezvous or current_rendezvous()
-    cfg = with_restart_checkpoints(cfg, max_restarts)
+    cfg = resolve_cluster(with_restart_checkpoints(cfg, max_restarts))  # (the command line's resolved already)
     rendezvous.torchrun_args(cfg.train.nproc)  # a bad --nnodes fails before anything is touched
     if not resume and rendezvous.prepares_out:
         clear_outputs(out)
@@ -196,7 +218,11 @@ def launch(cfg: RunConfig, out: Path, resume: bool = False, max_steps: int | Non
         if eval_at:
             worker += ["--eval-at", *map(str, eval_at)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        code = _run_ranks(torchrun_command(cfg, worker, max_restarts, rendezvous), env, error_path)
+        with emulated_cluster(cfg.cluster) as cluster:
+            commands = [torchrun_command(cfg, worker, max_restarts, rendezvous)] if cluster is None else [
+                torchrun_command(cfg, worker, max_restarts, rendezvous_args=cluster.torchrun_args(i, cfg.train.nproc))
+                for i in range(cluster.nodes)]
+            code = _run_ranks(commands, env, error_path, cluster)
         if error_path.exists():
             report = json.loads(error_path.read_text())
             raise RankError(report["message"], report.get("exit", 2))
