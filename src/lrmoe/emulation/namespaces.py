@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lrmoe.emulation.config import ClusterConfig
+from lrmoe.parallel.comm import A2A_ENV, RECEIVES_FIRST
 from lrmoe.train.config_checks import ConfigError
 from lrmoe.train.rendezvous import Rendezvous
 
@@ -62,7 +63,7 @@ class Link:
             rate_Bps = self.gbps * 1e9 / 8
             burst = max(64 * 1024, int(rate_Bps * 1e-3))
             commands.append(["tc", "qdisc", "add", "dev", dev, *parent, "tbf", "rate", f"{self.gbps * 1e9:.0f}bit",
-                             "burst", str(burst), "latency", "200ms"])
+                             "burst", str(burst), "latency", "2ms"])
         return commands
 
 
@@ -118,7 +119,7 @@ class EmulatedCluster:
         """Start ``commands[i]`` on node i once every link is up; returns the node processes."""
         assert len(commands) == self.nodes
         self.switch = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], preexec_fn=_die_with_parent)
-        node_env = {**env, "GLOO_SOCKET_IFNAME": NODE_LINK}
+        node_env = {**env, "GLOO_SOCKET_IFNAME": NODE_LINK, A2A_ENV: RECEIVES_FIRST}  # (a link slower than gloo)
         for cmd in commands:  # each waits for the line that says its link is up
             self.procs.append(subprocess.Popen(["unshare", *NODE_NAMESPACES, "sh", "-c", 'read -r _ && exec "$@"',
                                                 "sh", *cmd], stdin=subprocess.PIPE, env=node_env,

@@ -1,13 +1,15 @@
 """One rank of a network probe, started by ``torch.distributed.run`` (on an emulated cluster or
-not): where the rank runs, and gloo's ``all_to_all_single`` per message size.
+not): where the rank runs, and an all-to-all per message size, both the library's
+(:func:`lrmoe.parallel.comm.all_to_all`: on gloo, receives posted first) and gloo's own
+``all_to_all_single``.
 
     python -m torch.distributed.run ... -m lrmoe.emulation.probe OUT [--sizes B,B,...] [--repeats N]
 
 Each rank sends ``B`` bytes in all, ``B / W`` to every rank (its own chunk stays home), checks
 what it received, and writes ``OUT/rank-R.json``: its global rank, host name, the address gloo
-bound to, per size the median seconds of an exchange (after a barrier) and, on rank 0, the
-machine's CPU seconds (all cores, from /proc/stat) spent per exchange: what the links, their
-shaping and the transport cost the machine (benchmarks/link.py).
+bound to, per exchange and size the median seconds (after a barrier) and the machine's CPU
+seconds (all cores, from /proc/stat) spent per exchange: what the links, their shaping and the
+transport cost the machine (benchmarks/link.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.emulation.namespaces import EmulatedCluster, Link
+from lrmoe.parallel import comm
 
 
 def machine_cpu_s() -> float:
@@ -35,22 +38,33 @@ def machine_cpu_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def exchange(total_bytes: int, repeats: int, rank: int, world: int) -> dict[str, float]:
-    """One all_to_all of ``total_bytes`` a rank: median seconds, the machine's CPU seconds per
-    exchange, and the bytes a rank sent to others."""
+EXCHANGES = {  # the library's exchange on an emulated node (receives first), and gloo's own
+    "lrmoe": lambda send, splits: comm.all_to_all(send, splits, splits, dist.group.WORLD),
+    "gloo": lambda send, splits: _gloo_all_to_all(send),
+}
+
+
+def _gloo_all_to_all(send: torch.Tensor) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return recv
+
+
+def exchange(how: str, total_bytes: int, repeats: int, rank: int, world: int) -> dict[str, float]:
+    """One all-to-all (``how``: a key of :data:`EXCHANGES`) of ``total_bytes`` a rank: median
+    seconds, the machine's CPU seconds per exchange, and the bytes a rank sent to others."""
     n = max(world, total_bytes // 4 // world * world)
-    send = torch.full((n,), float(rank))
-    recv = torch.empty(n)
-    dist.all_to_all_single(recv, send)  # warm-up: connections made, buffers touched
-    expected = torch.arange(world, dtype=torch.float32).repeat_interleave(n // world)
-    if not torch.equal(recv, expected):
-        raise RuntimeError("all_to_all_single delivered other data than sent")
+    send, splits = torch.full((n,), float(rank)), [n // world] * world
+    run = EXCHANGES[how]
+    recv = run(send, splits)  # warm-up: connections made, buffers touched
+    if not torch.equal(recv, torch.arange(world, dtype=torch.float32).repeat_interleave(n // world)):
+        raise RuntimeError(f"the {how} all-to-all delivered other data than sent")
     times = []
     cpu0 = machine_cpu_s()
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send)
+        run(send, splits)
         times.append(time.perf_counter() - t0)
     dist.barrier()
     return {"seconds": statistics.median(times), "machine_cpu_s": (machine_cpu_s() - cpu0) / repeats,
@@ -68,9 +82,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     record = {"rank": rank, "world": world, "host": socket.gethostname(), "ifname": iface,
-              "address": socket.gethostbyname(socket.gethostname()) if iface else None, "sizes": {}}
-    for size in (int(s) for s in a.sizes.split(",")):
-        record["sizes"][str(size)] = exchange(size, a.repeats, rank, world)
+              "address": socket.gethostbyname(socket.gethostname()) if iface else None}
+    for how in EXCHANGES:
+        record[how] = {str(size): exchange(how, size, a.repeats, rank, world) for size in map(int, a.sizes.split(","))}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"rank-{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Collectives of the expert-parallel data path, with exact byte accounting.
 
-Every exchange of a layer call goes through :func:`all_to_all` (uneven ``all_to_all_single``;
+Every exchange of a layer call goes through :func:`all_to_all` (uneven ``all_to_all_single``, or
+on gloo over slow links receives-first point-to-point messages, :func:`exchange_kind`;
 :func:`all_to_all_start` where the caller goes on while it travels),
 including the small ones (per-expert counts, scores), so one counter sees every byte a rank
 puts on the wire. A ``group`` of ``None`` or of size 1 is world size 1: the same code, no
@@ -9,7 +10,9 @@ collective. List-form ``dist.all_to_all`` is avoided on purpose: gloo rejects un
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
+A2A_ENV, COLLECTIVE, RECEIVES_FIRST = "LRMOE_A2A", "collective", "receives-first"
 
 
 def comm_device(group: Group) -> torch.device | None:
@@ -77,14 +81,14 @@ class PendingExchange:
     """An :func:`all_to_all_start` under way: :meth:`wait` returns the received rows."""
 
     recv_XD: torch.Tensor
-    work: dist.Work | None  # None: nothing was exchanged (world 1) or it is done
+    works: list[dist.Work]  # empty: nothing was exchanged (world 1) or it is done
     home: torch.device
     send_XD: torch.Tensor | None = None  # held until the exchange is done
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = self.send_XD = None
+        for work in self.works:
+            work.wait()
+        self.works, self.send_XD = [], None
         return self.recv_XD.to(self.home)
 
 
@@ -107,12 +111,42 @@ def all_to_all_start(
             node = counter.node_of
             counter.inter_sent += sum(n for r, n in enumerate(send_splits) if node[r] != node[me]) * row_bytes
     if world_size(group) == 1:
-        return PendingExchange(send_XD, None, send_XD.device)
+        return PendingExchange(send_XD, [], send_XD.device)
     home, device = send_XD.device, comm_device(group)
     send_XD = send_XD.contiguous() if device is None else send_XD.to(device).contiguous()
     recv_XD = send_XD.new_empty((sum(recv_splits), *send_XD.shape[1:]))
-    work = dist.all_to_all_single(recv_XD, send_XD, recv_splits, send_splits, group=group, async_op=True)
-    return PendingExchange(recv_XD, work, home, send_XD)
+    if device is None and exchange_kind() == RECEIVES_FIRST:
+        works = _receives_first(recv_XD, send_XD, recv_splits, send_splits, group)
+    else:
+        works = [dist.all_to_all_single(recv_XD, send_XD, recv_splits, send_splits, group=group, async_op=True)]
+    return PendingExchange(recv_XD, works, home, send_XD)
+
+
+def exchange_kind() -> str:
+    """How gloo exchanges: ``collective`` (its ``all_to_all_single``, the default: fastest over one
+    machine's loopback) or ``receives-first`` (:func:`_receives_first`; for links slower than the
+    machine: the emulated cluster's nodes, or gloo across real machines), from ``LRMOE_A2A``."""
+    kind = os.environ.get(A2A_ENV, COLLECTIVE)
+    if kind not in (COLLECTIVE, RECEIVES_FIRST):
+        raise ValueError(f"{A2A_ENV}={kind!r} is invalid: expected {COLLECTIVE!r} or {RECEIVES_FIRST!r}")
+    return kind
+
+
+def _receives_first(recv_XD: torch.Tensor, send_XD: torch.Tensor, recv_splits: list[int], send_splits: list[int],
+                    group: Group) -> list[dist.Work]:
+    """gloo's all-to-all as point-to-point messages, every receive posted before any send. gloo's
+    own ``all_to_all_single`` posts each send before its receive, and a gloo receive is announced
+    to the sender over the same connection as the data: on a link slower than the machine, the
+    announcement waits behind this rank's outgoing rows, so the two directions take turns and each
+    gets half the link (benchmarks/link.py; docs/results.md "Links"). Same rows, same order."""
+    me, W = rank_of(group), world_size(group)
+    recv_at, send_at = [0, *itertools.accumulate(recv_splits)], [0, *itertools.accumulate(send_splits)]
+    works = [dist.irecv(recv_XD[recv_at[r]:recv_at[r + 1]], group=group, group_src=r)
+             for r in ((me - i) % W for i in range(1, W)) if recv_splits[r]]
+    works += [dist.isend(send_XD[send_at[r]:send_at[r + 1]], group=group, group_dst=r)
+              for r in ((me + i) % W for i in range(1, W)) if send_splits[r]]
+    recv_XD[recv_at[me]:recv_at[me + 1]].copy_(send_XD[send_at[me]:send_at[me + 1]])
+    return works
 
 
 def all_gather(
