@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lrmoe.emulation.budgets import describe as describe_cluster
-from lrmoe.emulation.budgets import resolve_cluster
+from lrmoe.emulation.budgets import measured_gemm_gflops, resolve_cluster
 from lrmoe.emulation.config import parse_link_gbps
 from lrmoe.sim.cli import add_simulate_parser
 from lrmoe.sizes import SizeError, parse_bytes
@@ -181,16 +181,25 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
             raise ConfigError("--emulate-nodes and the rendezvous flags exclude each other: an emulated cluster is "
                               "one machine's, its nodes meet at a rendezvous of their own")
         asked = cfg.cluster.link_gbps
+        if args.resume and cfg.cluster.gemm_gflops is None:  # the rate the run measured: its config again
+            cfg = replace(cfg, cluster=replace(cfg.cluster, gemm_gflops=measured_gemm_gflops(_out(args, cfg))))
         cfg = resolve_cluster(cfg)
         print(describe_cluster(cfg, asked), flush=True)
     return cfg
+
+
+def _out(args: argparse.Namespace, cfg: RunConfig) -> Path:
+    """``--out``, or the command's default folder (``train``'s named after the system)."""
+    if args.out:
+        return Path(args.out)
+    return Path("runs/compare") if args.command == "compare" else Path(f"runs/{args.system or cfg.train.system}")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     """``lrmoe train``: one system's run, summarised in one line."""
     cfg = _resolve(args)
     name = args.system or cfg.train.system
-    out = Path(args.out or f"runs/{name}")
+    out = _out(args, cfg)
     check_out(out, args.resume, args.overwrite)
     summary = launch(cfg, out, resume=args.resume, max_restarts=args.max_restarts)
     val = summary["val"][-1]["loss"] if summary["val"] else float("nan")
@@ -219,7 +228,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         raise ConfigError(f"compare.strict_fraction={cfg.compare.strict_fraction} gives the reference's step "
                           f"{strict[0]} of train.steps={cfg.train.steps}, not after the standard target's "
                           f"({standard}): more steps or a later fraction")
-    out = Path(args.out or "runs/compare")
+    out = _out(args, cfg)
     check_out(out, args.resume, args.overwrite)
     if seeds and caps is not None:
         run_seed_sweeps(cfg, systems, caps, seeds, out, resume=args.resume)

@@ -111,3 +111,16 @@ def test_emulation_and_a_real_rendezvous_exclude_each_other(tmp_path):
     r = run_main("train", "--config", config_file(tmp_path), "--emulate-nodes", "2", "--nnodes", "2", "--node-rank",
                  "0", "--rdzv-endpoint", "h:1")
     assert "--emulate-nodes and the rendezvous flags exclude each other" in one_line_error(r)
+
+
+def test_a_resumed_run_reads_the_rate_it_measured(tmp_path):
+    """``--resume`` takes ``cluster.gemm_gflops`` from the run's resolved config (so its link and
+    budgets, and compare's check of a finished run's config, are those of the first launch)."""
+    from lrmoe.emulation.budgets import measured_gemm_gflops
+    from lrmoe.train.toml_dump import dump_toml
+
+    assert measured_gemm_gflops(tmp_path) is None
+    run = tmp_path / "seed-0" / "cap-0.65x" / "static"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(dump_toml(cfg_with({"emulate_nodes": 2, "gemm_gflops": 37.0}).to_dict()))
+    assert measured_gemm_gflops(tmp_path) == 37.0

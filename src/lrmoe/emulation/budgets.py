@@ -19,7 +19,9 @@ the nodes is refused):
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import replace
+from pathlib import Path
 
 from lrmoe.config import ClusterBudget
 from lrmoe.emulation.config import PAPER
@@ -69,6 +71,20 @@ def resolve_cluster(cfg: RunConfig) -> RunConfig:
         updates["network_fraction"] = max(1.0, float(f"{gemm_s / wire_s:.3g}"))
     return replace(cfg, cluster=replace(cluster, link_gbps=link, gemm_gflops=gemm),
                    budget=replace(budget, **updates))
+
+
+def measured_gemm_gflops(out: Path) -> float | None:
+    """The GEMM rate an earlier run in ``out`` measured (``cluster.gemm_gflops`` of the first
+    ``config.toml`` under it that has one), so that a resumed run derives the same link and
+    budgets, and ``compare --resume`` finds its finished runs' configs unchanged."""
+    for path in sorted(Path(out).glob("**/config.toml")):
+        try:
+            gemm = tomllib.loads(path.read_text()).get("cluster", {}).get("gemm_gflops")
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        if gemm is not None:
+            return gemm
+    return None
 
 
 def describe(cfg: RunConfig, asked: float | str | None) -> str:
