@@ -99,12 +99,22 @@ def test_budgets_follow_the_link():
 
 
 @root
-def test_topology_systems_take_the_emulated_nodes(tmp_path):
-    """topoep needs a topology: emulated nodes give it (without them, one line)."""
+def test_topology_systems_take_the_emulated_nodes(tmp_path, monkeypatch):
+    """topoep needs a topology: emulated nodes give it, before its layers are checked (without
+    them, one line)."""
     assert "needs the topology" in one_line_error(run_main("train", "--config", config_file(tmp_path), "--system",
                                                            "topoep", "--out", tmp_path / "a"))
-    cfg = cfg_with({"emulate_nodes": 2}, system="topoep")
-    assert resolve_cluster(cfg).budget.ranks_per_node == 1
+    launched = []
+
+    def fake_launch(cfg, out, **kw):
+        launched.append(cfg)
+        return {"val": [], "steps": 0, "unigram_loss": 0.0, "moe_time_s": 0.0}
+
+    monkeypatch.setattr("lrmoe.cli.launch", fake_launch)
+    r = run_main("train", "--config", config_file(tmp_path), "--system", "topoep", "--emulate-nodes", "2",
+                 "--out", tmp_path / "b")
+    assert r.returncode == 0, r.stderr
+    assert launched[0].budget.ranks_per_node == 1 and launched[0].cluster.emulate_nodes == 2
 
 
 def test_emulation_and_a_real_rendezvous_exclude_each_other(tmp_path):
