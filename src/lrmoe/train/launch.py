@@ -7,7 +7,8 @@ changes nothing in ``out``). A rank that meets a user error (config, data, check
 its one-line message to an error file and exits with :data:`USER_ERROR_EXIT`; the launcher then
 stops the other ranks, swallows torchrun's report and raises :class:`RankError` with that line.
 Where the ranks meet (one machine, or several: :mod:`lrmoe.train.rendezvous`) is torchrun's
-business; a run that torchrun may restart checkpoints every ``train.eval_every`` steps unless
+business, except on an emulated cluster, whose nodes (one torchrun each) this module starts
+inside their namespaces (:mod:`lrmoe.emulation`); a run that torchrun may restart checkpoints every ``train.eval_every`` steps unless
 ``train.checkpoint_every`` says otherwise (:func:`~lrmoe.train.config.with_restart_checkpoints`).
 """
 
