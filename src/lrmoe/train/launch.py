@@ -8,8 +8,9 @@ its one-line message to an error file and exits with :data:`USER_ERROR_EXIT`; th
 stops the other ranks, swallows torchrun's report and raises :class:`RankError` with that line.
 Where the ranks meet (one machine, or several: :mod:`lrmoe.train.rendezvous`) is torchrun's
 business, except on an emulated cluster, whose nodes (one torchrun each) this module starts
-inside their namespaces (:mod:`lrmoe.emulation`); a run that torchrun may restart checkpoints every ``train.eval_every`` steps unless
-``train.checkpoint_every`` says otherwise (:func:`~lrmoe.train.config.with_restart_checkpoints`).
+inside their namespaces (:mod:`lrmoe.emulation`); a run that torchrun may restart checkpoints
+every ``train.eval_every`` steps unless ``train.checkpoint_every`` says otherwise
+(:func:`~lrmoe.train.config.with_restart_checkpoints`).
 """
 
 from __future__ import annotations
