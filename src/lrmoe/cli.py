@@ -127,8 +127,10 @@ def _load(args: argparse.Namespace) -> tuple[RunConfig, dict[str, object]]:
         budget.pop("memory_bytes", None)
         budget["memory_per_rank"] = parse_bytes(per_rank, "--memory-per-rank")
     raw = apply_sets(raw, sets)
-    for key, value in (("emulate_nodes", args.emulate_nodes), ("link_latency_us", args.link_latency_us),
-                       ("link_gbps", None if args.link_gbps is None else parse_link_gbps(args.link_gbps))):
+    link = getattr(args, "link_gbps", None)
+    for key, value in (("emulate_nodes", getattr(args, "emulate_nodes", None)),
+                       ("link_latency_us", getattr(args, "link_latency_us", None)),
+                       ("link_gbps", None if link is None else parse_link_gbps(link))):
         if value is not None:
             raw.setdefault("cluster", {})[key] = value
     filled = fill_hf_defaults(raw)
@@ -187,7 +189,7 @@ def _emulated(args: argparse.Namespace, cfg: RunConfig) -> RunConfig:
         raise ConfigError("--emulate-nodes and the rendezvous flags exclude each other: an emulated cluster is "
                           "one machine's, its nodes meet at a rendezvous of their own")
     asked = cfg.cluster.link_gbps
-    if args.resume and cfg.cluster.gemm_gflops is None:
+    if getattr(args, "resume", False) and cfg.cluster.gemm_gflops is None:
         cfg = replace(cfg, cluster=replace(cfg.cluster, gemm_gflops=measured_gemm_gflops(_out(args, cfg))))
     cfg = resolve_cluster(cfg)
     print(describe_cluster(cfg, asked), flush=True)
