@@ -29,8 +29,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from lrmoe.emulation.budgets import describe as describe_cluster
-from lrmoe.emulation.budgets import measured_gemm_gflops, resolve_cluster
+from lrmoe.emulation.budgets import resolve_for_launcher
 from lrmoe.emulation.config import parse_link_gbps
 from lrmoe.sim.cli import add_simulate_parser
 from lrmoe.sizes import SizeError, parse_bytes
@@ -170,7 +169,8 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
         read_routing_trace(cfg.train.routing_trace, cfg.model)  # likewise an unreadable or mismatched trace
     current_rendezvous().torchrun_args(cfg.train.nproc)  # --nnodes must divide the run's ranks
     if cfg.cluster.emulated:  # (before the layers are checked: the nodes give the topology)
-        cfg = _emulated(args, cfg)
+        resumed = _out(args, cfg) if getattr(args, "resume", False) else None
+        cfg = resolve_for_launcher(cfg, current_rendezvous().standalone, resumed)
     preflight(cfg)  # and a corpus too small for one global batch
     if getattr(args, "memory_caps", None) is not None and cfg.memory_per_rank is not None:
         raise ConfigError("--memory-caps and --memory-per-rank (budget.memory_per_rank) exclude each other: one "
@@ -180,20 +180,6 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
               flush=True)
     where = "--memory-per-rank" if getattr(args, "memory_per_rank", None) is not None else "budget.memory_per_rank"
     return with_memory_per_rank(cfg, where)  # a cap too small for the smallest plan stops here
-
-
-def _emulated(args: argparse.Namespace, cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its emulated cluster resolved (the link, the topology and the budgets that
-    follow it), printed in one line; a resumed run keeps the GEMM rate it measured."""
-    if not current_rendezvous().standalone:
-        raise ConfigError("--emulate-nodes and the rendezvous flags exclude each other: an emulated cluster is "
-                          "one machine's, its nodes meet at a rendezvous of their own")
-    asked = cfg.cluster.link_gbps
-    if getattr(args, "resume", False) and cfg.cluster.gemm_gflops is None:
-        cfg = replace(cfg, cluster=replace(cfg.cluster, gemm_gflops=measured_gemm_gflops(_out(args, cfg))))
-    cfg = resolve_cluster(cfg)
-    print(describe_cluster(cfg, asked), flush=True)
-    return cfg
 
 
 def _out(args: argparse.Namespace, cfg: RunConfig) -> Path:

@@ -73,6 +73,21 @@ def resolve_cluster(cfg: RunConfig) -> RunConfig:
                    budget=replace(budget, **updates))
 
 
+def resolve_for_launcher(cfg: RunConfig, standalone: bool, resumed: Path | None = None) -> RunConfig:
+    """The command line's :func:`resolve_cluster`, its result printed in one line: the emulation is
+    one machine's (``standalone``: no rendezvous flags), and a run resumed in ``resumed`` keeps the
+    GEMM rate its first launch measured (:func:`measured_gemm_gflops`)."""
+    if not standalone:
+        raise ConfigError("--emulate-nodes and the rendezvous flags exclude each other: an emulated cluster is "
+                          "one machine's, its nodes meet at a rendezvous of their own")
+    asked = cfg.cluster.link_gbps
+    if resumed is not None and cfg.cluster.gemm_gflops is None:
+        cfg = replace(cfg, cluster=replace(cfg.cluster, gemm_gflops=measured_gemm_gflops(resumed)))
+    cfg = resolve_cluster(cfg)
+    print(describe(cfg, asked), flush=True)
+    return cfg
+
+
 def measured_gemm_gflops(out: Path) -> float | None:
     """The GEMM rate an earlier run in ``out`` measured (``cluster.gemm_gflops`` of the first
     ``config.toml`` under it that has one), so that a resumed run derives the same link and
