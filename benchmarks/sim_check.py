@@ -34,6 +34,7 @@ from pathlib import Path
 
 from common import print_table, write_json
 
+from lrmoe.memory.bytes import ByteModel
 from lrmoe.sim.cost import PHASES, layer_seconds
 from lrmoe.sim.hardware import CPU_CALIBRATION, Hardware
 from lrmoe.sim.layer_calls import SystemPlanner
@@ -81,7 +82,7 @@ def predict(run: Path, every: int, gemm_gflops: float | None) -> dict:
         if budget.network_bytes is not None:
             network = budget.network_bytes
         elif budget.network_fraction is not None:
-            network = int(budget.network_fraction * math.ceil(pairs / world) * 3 * m.dim * ELEM)
+            network = int(budget.network_fraction * math.ceil(pairs / world) * ByteModel.of(moe).bwd_wire)
     planners = [SystemPlanner(t.system, spec.moe_config("float32"), world,
                               memory_bytes=budget.memory_bytes if budget is not None else None,
                               capacity_factor=t.capacity_factor, selection=cfg.backward.selection,
@@ -90,7 +91,7 @@ def predict(run: Path, every: int, gemm_gflops: float | None) -> dict:
                 for _ in range(spec.moe_layers)]
     hw, counts = hardware(cfg, gemm_gflops), load_trace(run / "routing.npz")
     records = {r["step"]: r for r in read_metrics(run) if "moe_fwd_ms" in r}
-    steps = [s for s in sorted(records) if s >= 2 and (s - 2) % every == 0 and s - 1 < counts.shape[0]]
+    steps = [s for s in sorted(records) if s >= 2 and (s - 2) % every == 0 and s <= counts.shape[0]]
     predicted, measured, phases = [], [], {p: 0.0 for p in PHASES}
     for step in sorted(records):
         if step - 1 >= counts.shape[0]:

@@ -27,10 +27,10 @@ from lrmoe.config import ClusterBudget
 from lrmoe.emulation.config import PAPER
 from lrmoe.emulation.namespaces import Link, check_emulation
 from lrmoe.emulation.paper_link import measure_gemm_gflops, paper_link_gbps
+from lrmoe.memory.bytes import ByteModel
 from lrmoe.train.config import ConfigError, RunConfig
 
 BACKWARD_FLOP_PER_PAIR = 16  # × D·F: dgrad and wgrad of three matrices, and gate/up recomputed
-BACKWARD_WIRE_ROWS = 3  # × D·s: x and dy in, dx out (lrmoe.memory.bytes.ByteModel.bwd_wire)
 
 
 def resolve_cluster(cfg: RunConfig) -> RunConfig:
@@ -67,7 +67,7 @@ def resolve_cluster(cfg: RunConfig) -> RunConfig:
         updates["inter_node_gbps"] = link / per_node
     if sets_network:
         gemm_s = BACKWARD_FLOP_PER_PAIR * cfg.model.dim * moe.ffn_dim / (gemm * 1e9)
-        wire_s = BACKWARD_WIRE_ROWS * cfg.model.dim * elem * 8 / (link / per_node * 1e9)
+        wire_s = ByteModel.of(moe).bwd_wire * 8 / (link / per_node * 1e9)  # x and dy in, dx out
         updates["network_fraction"] = max(1.0, float(f"{gemm_s / wire_s:.3g}"))
     return replace(cfg, cluster=replace(cluster, link_gbps=link, gemm_gflops=gemm),
                    budget=replace(budget, **updates))
